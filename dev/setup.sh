@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv with everything the demo and the tests need; quick when it is up to date.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+stamp=.venv/.requirements-dev.sha256
+wanted=$(sha256sum requirements-dev.txt | cut -d' ' -f1)
+if [[ -f $stamp && $(cat "$stamp") == "$wanted" ]]; then
+    exit 0
+fi
+[[ -x .venv/bin/python ]] || "$python" -m venv .venv
+find_links=()
+[[ -d /opt/wheels ]] && find_links=(--find-links /opt/wheels)  # local torch CPU wheel, where present
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "${find_links[@]}" -r requirements-dev.txt
+echo "$wanted" >"$stamp"

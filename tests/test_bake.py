@@ -1,0 +1,137 @@
+"""Bake the template and check the generated project as a user would get it."""
+
+import ast
+import os
+import re
+import tomllib
+
+import pytest
+from conftest import TEMPLATE, bake_ok, project_files, run
+
+EXPECTED_FILES = {
+    ".gitignore",
+    "README.md",
+    "config.py",
+    "dataset.py",
+    "ddp_utils.py",
+    "model.py",
+    "pyproject.toml",
+    "scripts/launch.sh",
+    "tests/conftest.py",
+    "tests/test_config.py",
+    "tests/test_data.py",
+    "tests/test_schedule.py",
+    "tests/test_train.py",
+    "train.py",
+}
+
+
+def test_default_bake_has_the_expected_files(default_project):
+    assert default_project.name == "ddp_training"
+    assert {str(p.relative_to(default_project)) for p in project_files(default_project)} == EXPECTED_FILES
+
+
+def test_no_template_syntax_left_and_lf_endings(default_project):
+    for path in project_files(default_project):
+        text = path.read_bytes().decode()
+        assert not re.search(r"\{\{|\{%|\{#", text), path
+        assert "\r" not in text, path
+
+
+def test_python_compiles_and_is_ruff_clean(default_project):
+    for path in default_project.rglob("*.py"):
+        ast.parse(path.read_text(), filename=str(path))
+    check = run(["ruff", "check", "--no-cache", "."], cwd=default_project)
+    assert check.returncode == 0, check.stdout
+    form = run(["ruff", "format", "--check", "--no-cache", "."], cwd=default_project)
+    assert form.returncode == 0, form.stdout
+
+
+def test_launch_script_is_executable_and_parses(default_project):
+    script = default_project / "scripts" / "launch.sh"
+    assert os.access(script, os.X_OK)
+    assert run(["bash", "-n", str(script)], cwd=default_project).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NNODES": "2"}, "needs MASTER_ADDR"),
+        ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "127.0.0.1"}, "NODE_RANK (2) must be less than NNODES (2)"),
+        ({"NPROC_PER_NODE": "four"}, "NPROC_PER_NODE must be a whole number"),
+        ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE must be at least 1"),
+    ],
+)
+def test_launch_script_refuses_contradictions(default_project, env, message):
+    clean = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "NPROC_PER_NODE")}
+    result = run(["scripts/launch.sh"], cwd=default_project, env_override={**clean, **env})
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_values_reach_their_places(cookies):
+    project = bake_ok(cookies, project_name="Vision Trainer", num_nodes="4", gpus_per_node="2", amp="fp16",
+                      author_name="Ada", description="Trains things.")  # fmt: skip
+    assert project.name == "vision_trainer"
+    launch = (project / "scripts" / "launch.sh").read_text()
+    assert "NNODES=${NNODES:-4}" in launch and "NPROC_PER_NODE=${NPROC_PER_NODE:-2}" in launch
+    assert 'knob(\n        "fp16",' in (project / "config.py").read_text()
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    assert (meta["name"], meta["description"], meta["authors"]) == (
+        "vision_trainer",
+        "Trains things.",
+        [{"name": "Ada"}],
+    )
+    assert (project / "README.md").read_text().startswith("# Vision Trainer\n\nTrains things.")
+
+
+HOSTILE = "Ünïcødé \"quoted\" 'single' back\\slash $HOME $(touch pwned) `touch pwned2` {braces} }} %} \u2603"
+
+
+def test_hostile_user_text_renders_valid_files_and_runs_nothing(cookies, tmp_path):
+    project = bake_ok(cookies, project_name=HOSTILE, project_slug="hostile", description=HOSTILE, author_name=HOSTILE)
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    assert meta["description"] == HOSTILE and meta["authors"] == [{"name": HOSTILE}]
+    assert HOSTILE in (project / "README.md").read_text()
+    assert not list(project.parent.rglob("pwned*")) and not list(TEMPLATE.rglob("pwned*"))
+    for path in project.rglob("*.py"):
+        ast.parse(path.read_text())
+    assert run(["ruff", "check", "--no-cache", "."], cwd=project).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "answer, prompt",
+    [
+        ("project_slug=My Project", "project_slug"),
+        ("project_slug=a/b", "project_slug"),
+        ("project_slug=", "project_slug"),
+        ("project_slug=9lives", "project_slug"),
+        ("project_name=3D Net", "project_slug"),  # the derived slug starts with a digit
+        ("num_nodes=0", "num_nodes"),
+        ("num_nodes=two", "num_nodes"),
+        ("gpus_per_node=-1", "gpus_per_node"),
+        ("gpus_per_node=1.5", "gpus_per_node"),
+        ("amp=fp8", "amp"),
+    ],
+)
+def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prompt):
+    output = tmp_path / "out"
+    output.mkdir()
+    result = run(["cookiecutter", "--no-input", str(TEMPLATE), "-o", str(output), answer], cwd=tmp_path)
+    assert result.returncode != 0
+    assert list(output.iterdir()) == []
+    if prompt == "amp":
+        # cookiecutter itself rejects a value outside a choice list, before our checks run.
+        assert "choice variable amp" in result.stderr
+        return
+    (line,) = result.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith(f"error: {prompt} ")
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16", "none"])
+def test_generated_project_tests_pass(cookies, amp):
+    """Each amp value (bf16 is the default bake) passes the project's own suite, 2-process run included."""
+    project = bake_ok(cookies, amp=amp)
+    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout

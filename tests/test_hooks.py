@@ -1,0 +1,34 @@
+"""The answer validation, imported as plain Python from the unrendered hook."""
+
+import importlib.util
+
+import pytest
+from conftest import TEMPLATE
+
+spec = importlib.util.spec_from_file_location("pre_gen_project", TEMPLATE / "hooks" / "pre_gen_project.py")
+hook = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hook)
+
+VALID = {"project_slug": "my_project", "num_nodes": "1", "gpus_per_node": "8", "amp": "bf16"}
+
+
+def test_valid_answers_pass():
+    assert hook.first_error(VALID) is None
+    assert hook.first_error({**VALID, "project_slug": "a-b_3", "num_nodes": 4, "amp": "none"}) is None
+
+
+@pytest.mark.parametrize("slug", ["", "My_Project", "1project", "my project", "a/b", "_x", "é", "x.y", None])
+def test_bad_slugs(slug):
+    error = hook.first_error({**VALID, "project_slug": slug})
+    assert error.startswith("project_slug") and "lowercase letters" in error
+
+
+@pytest.mark.parametrize("name", ["num_nodes", "gpus_per_node"])
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "", " ", "٣"])
+def test_bad_counts(name, value):
+    error = hook.first_error({**VALID, name: value})
+    assert error.startswith(name) and "positive integer" in error
+
+
+def test_bad_amp():
+    assert hook.first_error({**VALID, "amp": "fp8"}).startswith("amp 'fp8' is not one of: bf16, fp16, none")

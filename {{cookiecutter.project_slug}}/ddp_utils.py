@@ -1,0 +1,242 @@
+"""Process group, collectives, rank-aware logging, signals and atomic checkpoints.
+
+Rules this file enforces for the rest of the project:
+- Rank-0-only side effects (files, console) go through `rank_zero_only`, which checks the
+  *global* rank; code under it never calls a collective, which would hang the other ranks.
+- Decisions that end or skip work are agreed by all ranks with one collective (`any_rank`).
+- The process group is destroyed on every exit path (`cleanup_distributed` in a finally).
+"""
+
+import functools
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("train")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int  # global rank: who writes files, logs and checkpoints
+    local_rank: int  # rank on this node: the only valid device index
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+def setup_distributed(timeout_seconds=600):
+    """Join the process group that torchrun describes, or form a group of one.
+
+    Without torchrun's variables (plain `python train.py`) a single-process group is made on
+    an in-memory store, so the rest of the code runs one path: DDP, collectives and the
+    sampler behave exactly as with more processes.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        # Set the device before init so NCCL binds this process to its own GPU; the global
+        # rank is no device index on any node but the first.
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    timeout = timedelta(seconds=timeout_seconds)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistContext(rank, local_rank, world_size, device)
+
+
+def cleanup_distributed():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def global_rank():
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def rank_zero_only(fn):
+    """Run `fn` on global rank 0 only; elsewhere it returns None. Never put collectives in `fn`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if global_rank() == 0:
+            return fn(*args, **kwargs)
+        return None
+
+    return wrapper
+
+
+def any_rank(*flags, device):
+    """True for each flag that is true on at least one rank: one all-reduce for all flags.
+
+    Flags may be bools or 0-dim tensors already on `device` (no host sync before the reduce).
+    """
+    values = [torch.as_tensor(flag, dtype=torch.float32, device=device) for flag in flags]
+    reduced = torch.stack(values)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in reduced.tolist()]
+
+
+def setup_logging(ctx, output_dir):
+    """Rank 0 logs INFO to the console and output_dir/train.log; other ranks WARNING and up."""
+    log.handlers.clear()
+    log.propagate = False
+    log.setLevel(logging.INFO if ctx.is_main else logging.WARNING)
+    formatter = logging.Formatter(f"%(asctime)s [rank {ctx.rank}] %(levelname)s %(message)s", "%H:%M:%S")
+    handlers = [logging.StreamHandler(sys.stdout)]
+    if ctx.is_main:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(Path(output_dir) / "train.log"))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        log.addHandler(handler)
+    return log
+
+
+class StopRequest:
+    """Remember a SIGTERM (torchrun, Kubernetes) or SIGUSR1 (SLURM --signal) for the loop.
+
+    The handler only sets a flag: the loop agrees on it with the other ranks at the next
+    step boundary, saves a checkpoint and exits. Doing work inside a signal handler could
+    interrupt a collective halfway.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signum = 0
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    @property
+    def requested(self):
+        return self.signum != 0
+
+
+# --- checkpoints -------------------------------------------------------------------------
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save_checkpoint(ctx, state, checkpoint_dir, step, keep):
+    """Write `state` as last.pt (and step_<step>.pt) atomically; call on every rank.
+
+    Global rank 0 writes; the others wait in the collective that reports whether it worked,
+    so a failed write (disk full) stops every rank with the same error instead of a hang.
+    """
+    error = _write_checkpoint(state, Path(checkpoint_dir), step, keep)
+    if any_rank(error is not None, device=ctx.device)[0]:
+        raise CheckpointError(error or "checkpoint write failed on rank 0; see its log")
+
+
+@rank_zero_only
+def _write_checkpoint(state, checkpoint_dir, step, keep):
+    try:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        last = checkpoint_dir / "last.pt"
+        if keep == 0:
+            _atomic_save(state, last)
+        else:
+            numbered = checkpoint_dir / f"step_{step:09d}.pt"
+            _atomic_save(state, numbered)
+            # last.pt is a second name for the same file: no second write, still atomic.
+            _atomic_link(numbered, last, state)
+            for old in sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]:
+                old.unlink()
+        _fsync_dir(checkpoint_dir)
+    except OSError as error:
+        log.error("could not write checkpoint to %s: %s", checkpoint_dir, error)
+        return f"could not write checkpoint to {checkpoint_dir}: {error}"
+    return None
+
+
+def _atomic_save(state, path):
+    # A crash or a full disk while writing leaves only the temporary file behind;
+    # `path` is always either the previous complete checkpoint or the new one.
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _atomic_link(target, path, state):
+    tmp = path.with_name(f".{path.name}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(target, tmp)
+    except OSError:  # a file system without hard links: write the state again
+        _atomic_save(state, path)
+    else:
+        os.replace(tmp, path)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path, device):
+    """Load one checkpoint; a damaged or foreign file raises CheckpointError naming it."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as error:  # truncated zip, unpickling error, wrong format, I/O error
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(error).__name__}: {error})") from None
+
+
+def checkpoint_candidates(checkpoint_dir):
+    """last.pt first, then the numbered checkpoints, newest first."""
+    checkpoint_dir = Path(checkpoint_dir)
+    numbered = sorted(checkpoint_dir.glob("step_*.pt"), reverse=True)
+    last = checkpoint_dir / "last.pt"
+    return ([last] if last.exists() else []) + numbered
+
+
+def load_latest_checkpoint(checkpoint_dir, device):
+    """The newest readable checkpoint in `checkpoint_dir`, skipping damaged ones with a warning.
+
+    Returns (state, path), or (None, None) when the folder holds no checkpoint at all.
+    Raises CheckpointError when checkpoints exist but none is readable: starting fresh
+    over them would silently throw a run away.
+    """
+    candidates = checkpoint_candidates(checkpoint_dir)
+    for path in candidates:
+        try:
+            return load_checkpoint(path, device), path
+        except CheckpointError as error:
+            warn_main(f"{error}; trying an older checkpoint")
+    if candidates:
+        names = ", ".join(str(p) for p in candidates)
+        raise CheckpointError(f"no readable checkpoint among {names}; delete them or pass --resume none")
+    return None, None
+
+
+@rank_zero_only
+def warn_main(message):
+    log.warning(message)

@@ -1,0 +1,49 @@
+"""Shared helpers: run train.py for real, as one process or under torchrun with gloo on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PROJECT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(PROJECT))
+
+# Small and fast: every test trains for real, so keep the task tiny.
+TINY = ["--train_samples", "1024", "--val_samples", "256", "--hidden_dim", "32", "--batch_size", "32"]
+TINY += ["--epochs", "2", "--lr", "0.01", "--log_every_steps", "0", "--amp", "none"]
+
+
+def run_training(output_dir, *args, nproc=1, timeout=180, env=None, check=True):
+    """Run train.py with `nproc` processes (torchrun when nproc > 1); returns the CompletedProcess."""
+    command = [sys.executable, "train.py"]
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        command += ["train.py"]
+    command += [*TINY, "--output_dir", str(output_dir), *map(str, args)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    result = subprocess.run(command, cwd=PROJECT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def read_metrics(output_dir):
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def load_final_model(output_dir):
+    state = torch.load(Path(output_dir) / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    return state["model"]
+
+
+@pytest.fixture(scope="session")
+def two_process_run(tmp_path_factory):
+    """One 2-process gloo run shared by the tests that only inspect its outputs."""
+    output_dir = tmp_path_factory.mktemp("two_process_run")
+    result = run_training(output_dir, "--epochs", "3", "--log_every_steps", "4", nproc=2)
+    return output_dir, result

@@ -1,0 +1,67 @@
+"""Real runs of train.py: 2 processes under torchrun (gloo on CPU), and plain `python train.py`."""
+
+import json
+
+import torch
+from conftest import load_final_model, read_metrics, run_training
+
+REQUIRED_METRICS = {"epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_samples", "samples_per_s"}
+
+
+def test_two_processes_write_one_metrics_line_per_epoch(two_process_run):
+    output_dir, _ = two_process_run
+    metrics = read_metrics(output_dir)
+    assert [m["epoch"] for m in metrics] == [1, 2, 3]
+    assert all(REQUIRED_METRICS <= m.keys() for m in metrics)
+    assert all(m["val_samples"] == 256 for m in metrics)
+    # 1024 samples, global batch 2 x 32 = 64: 16 optimizer steps per epoch.
+    assert [m["step"] for m in metrics] == [16, 32, 48]
+
+
+def test_training_learns_well_above_chance(two_process_run):
+    output_dir, _ = two_process_run
+    metrics = read_metrics(output_dir)
+    chance = 1 / 4
+    assert metrics[-1]["val_accuracy"] > 2 * chance
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+
+
+def test_checkpoint_is_complete_and_loads_weights_only(two_process_run):
+    output_dir, _ = two_process_run
+    state = torch.load(output_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert {"model", "optimizer", "scaler", "epoch", "step", "config", "ranks"} <= state.keys()
+    assert (state["epoch"], state["step"]) == (3, 48)
+    assert not any(key.startswith("module.") for key in state["model"])
+    assert state["optimizer"]["state"], "optimizer state (AdamW moments) must be saved"
+    assert state["config"]["hidden_dim"] == 32
+    assert len(state["ranks"]) == 2
+    json.dumps(state["config"])  # plain data
+
+
+def test_checkpoint_rotation_keeps_newest(two_process_run):
+    output_dir, _ = two_process_run
+    names = sorted(p.name for p in (output_dir / "checkpoints").iterdir())
+    assert names == ["last.pt", "step_000000016.pt", "step_000000032.pt", "step_000000048.pt"]
+
+
+def test_only_rank_zero_logs_info(two_process_run):
+    output_dir, result = two_process_run
+    assert "[rank 0] INFO" in result.stdout
+    assert "[rank 1]" not in result.stdout + result.stderr
+    log_text = (output_dir / "train.log").read_text()
+    assert "step 4 loss" in log_text and "val_accuracy" in log_text
+    assert log_text.count("epoch 3 step 48") == 1
+
+
+def test_single_process_without_torchrun(tmp_path):
+    run_training(tmp_path, "--epochs", "1")
+    metrics = read_metrics(tmp_path)
+    assert len(metrics) == 1 and metrics[0]["val_samples"] == 256
+    assert set(load_final_model(tmp_path)) == {f"layers.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")}
+
+
+def test_amp_modes_train(tmp_path):
+    for amp in ("bf16", "fp16"):
+        run_training(tmp_path / amp, "--epochs", "1", "--amp", amp)
+        loss = read_metrics(tmp_path / amp)[0]["val_loss"]
+        assert loss == loss and loss < 2.0  # finite and learning

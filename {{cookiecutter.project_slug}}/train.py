@@ -1,0 +1,356 @@
+"""Train a model with PyTorch DistributedDataParallel.
+
+The same script runs as one process or many:
+
+    python train.py --epochs 2
+    torchrun --standalone --nproc_per_node=2 train.py --epochs 2
+
+Read top to bottom: learning-rate schedule, the Trainer (setup, resume, loop, evaluation,
+checkpoints), then `main`, which owns the process group's lifetime.
+"""
+
+import contextlib
+import json
+import logging
+import math
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from config import parse_config
+from dataset import build_loaders, mix_seed, seed_everything, start_epoch
+from ddp_utils import (
+    CheckpointError,
+    StopRequest,
+    any_rank,
+    checkpoint_candidates,
+    cleanup_distributed,
+    load_checkpoint,
+    load_latest_checkpoint,
+    rank_zero_only,
+    save_checkpoint,
+    setup_distributed,
+    setup_logging,
+)
+from model import build_model
+
+log = logging.getLogger("train")
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+MODEL_SHAPE_FIELDS = ("input_dim", "hidden_dim", "num_classes")
+
+
+class TrainingError(RuntimeError):
+    """An error every rank agrees on; reported once, without a traceback."""
+
+
+class Preempted(Exception):
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def lr_at(step, cfg, total_steps):
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine or constant."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps - 1))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def rng_state():
+    """This process's random generators, as checkpoint-safe data (tensors, numbers, lists)."""
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state()[1].tolist(),  # MT19937 key; positions are reset on load
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    np.random.set_state(("MT19937", np.array(state["numpy"], dtype=np.uint32), 624, 0, 0.0))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+@rank_zero_only
+def write_metrics(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+@rank_zero_only
+def truncate_metrics(path, step):
+    """On resume, drop lines logged after the checkpoint: they are about to be redone."""
+    if path.exists():
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
+
+
+def format_metrics(metrics):
+    parts = [f"{key} {value:.5g}" if isinstance(value, float) else f"{key} {value}" for key, value in metrics.items()]
+    return " ".join(parts)
+
+
+@rank_zero_only
+def report(message, *args, level=logging.INFO):
+    log.log(level, message, *args)
+
+
+class Trainer:
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx = cfg, ctx
+        self.output_dir = Path(cfg.output_dir)
+        self.checkpoint_dir = self.output_dir / "checkpoints"
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.train_loader, self.val_loader = build_loaders(cfg, ctx)
+        self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps
+        if self.steps_per_epoch == 0:
+            global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
+            raise TrainingError(
+                f"--train_samples {cfg.train_samples} is less than one global batch "
+                f"(batch_size x world_size x grad_accum_steps = {global_batch})"
+            )
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+
+        # Same initial weights on every rank (DDP also broadcasts rank 0's at wrap time);
+        # afterwards each rank gets its own stream for anything random it does.
+        seed_everything(cfg.seed)
+        model = build_model(cfg).to(ctx.device)
+        seed_everything(mix_seed(cfg.seed, ctx.rank))
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.amp_dtype = AMP_DTYPES[cfg.amp]
+        # fp16 needs loss scaling; for bf16 and none the scaler is a no-op pass-through.
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.amp == "fp16")
+        self.model = DDP(
+            model,
+            device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+            find_unused_parameters=cfg.find_unused_parameters,
+        )
+
+        self.epoch = 0  # current epoch (0-based)
+        self.step = 0  # optimizer steps done in the whole run
+        self.batches_done = 0  # micro-batches done by each rank in the current epoch
+        self.loss_totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # sum, count
+        self.stop = StopRequest()
+
+    # --- resume ---------------------------------------------------------------------------
+
+    def resume(self):
+        cfg = self.cfg
+        if cfg.resume == "none":
+            if checkpoint_candidates(self.checkpoint_dir):
+                raise TrainingError(
+                    f"--resume none, but {self.checkpoint_dir} holds checkpoints of an earlier run: "
+                    "pass --resume auto to continue it, or another --output_dir to start fresh"
+                )
+            return
+        if cfg.resume == "auto":
+            state, path = load_latest_checkpoint(self.checkpoint_dir, self.ctx.device)
+            if state is None:
+                return
+        else:
+            path = Path(cfg.resume)
+            state = load_checkpoint(path, self.ctx.device)
+        self.load_state(state, path)
+
+    def load_state(self, state, path):
+        saved = state["config"]
+        mismatched = [
+            f"--{name} is {getattr(self.cfg, name)}, the checkpoint's is {saved[name]}"
+            for name in MODEL_SHAPE_FIELDS
+            if saved[name] != getattr(self.cfg, name)
+        ]
+        if mismatched:
+            raise TrainingError(f"checkpoint {path} has another model shape: {', '.join(mismatched)}")
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.step, self.batches_done = state["epoch"], state["step"], state["batches_done"]
+        ranks = state["ranks"]
+        if len(ranks) == self.ctx.world_size:
+            set_rng_state(ranks[self.ctx.rank]["rng"])
+            self.loss_totals.copy_(ranks[self.ctx.rank]["loss_totals"])
+        else:
+            # Another world size: the data order continues unchanged (it depends on seed and
+            # epoch only); per-rank generators restart and rank 0 carries the loss so far.
+            micro_batches = state["batches_done"] * state["world_size"]
+            if micro_batches % self.ctx.world_size:
+                raise TrainingError(
+                    f"checkpoint {path} was saved mid-epoch by {len(ranks)} processes; resume it "
+                    f"with {len(ranks)} processes, or from an epoch-end checkpoint"
+                )
+            self.batches_done = micro_batches // self.ctx.world_size
+            if self.ctx.is_main:
+                self.loss_totals.copy_(sum(rank["loss_totals"] for rank in ranks))
+        truncate_metrics(self.metrics_path, self.step)
+        report("resumed from %s: epoch %d, step %d", path, self.epoch + 1, self.step)
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def _save_checkpoint(self):
+        # Per-rank state (random generators, partial loss sums) is gathered to rank 0, which
+        # writes one file; a collective, so every rank calls this.
+        ranks = [None] * self.ctx.world_size
+        dist.all_gather_object(ranks, {"rng": rng_state(), "loss_totals": self.loss_totals.cpu()})
+        state = {
+            "model": self.model.module.state_dict(),  # unwrapped: no "module." prefix
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,  # the learning rate is a pure function of it (lr_at)
+            "batches_done": self.batches_done,
+            "world_size": self.ctx.world_size,
+            "ranks": ranks,
+            "config": self.cfg.to_dict(),
+        }
+        save_checkpoint(self.ctx, state, self.checkpoint_dir, self.step, self.cfg.keep_checkpoints)
+
+    # --- training -------------------------------------------------------------------------
+
+    def train(self):
+        cfg = self.cfg
+        if self.epoch >= cfg.epochs:
+            report("run already complete: %d epochs, %d steps", self.epoch, self.step)
+            return
+        global_batch = cfg.batch_size * self.ctx.world_size * cfg.grad_accum_steps
+        report("training %d epochs of %d steps, global batch %d", cfg.epochs, self.steps_per_epoch, global_batch)
+        while self.epoch < cfg.epochs:
+            started = time.perf_counter()
+            samples = self._run_epoch()
+            train_seconds = time.perf_counter() - started
+            train_loss = self._reduce_train_loss()
+            metrics = {
+                "epoch": self.epoch + 1,
+                "step": self.step,
+                "train_loss": train_loss,
+                **self.evaluate(),
+                "samples_per_s": samples / train_seconds,
+                "lr": self.optimizer.param_groups[0]["lr"],
+            }
+            write_metrics(self.metrics_path, metrics)
+            report("%s", format_metrics(metrics))
+            self.epoch, self.batches_done = self.epoch + 1, 0
+            self.loss_totals.zero_()
+            self._save_checkpoint()
+
+    def _run_epoch(self):
+        """Train until the end of the epoch; returns the number of samples trained (all ranks)."""
+        cfg, ctx = self.cfg, self.ctx
+        accum = cfg.grad_accum_steps
+        global_micro_batch = cfg.batch_size * ctx.world_size
+        start_epoch(self.train_loader, self.epoch, ctx.rank, cfg.seed, start=self.batches_done * global_micro_batch)
+        self.model.train()
+        first_batch = self.batches_done
+        for micro_step, (inputs, targets) in enumerate(self.train_loader, start=first_batch):
+            last_micro_step = (micro_step + 1) % accum == 0
+            loss = self._run_batch(inputs, targets, sync=last_micro_step)
+            if not last_micro_step:
+                continue
+            self._optimizer_step(loss)
+            self.batches_done = micro_step + 1
+            if cfg.log_every_steps and self.step % cfg.log_every_steps == 0:
+                report("step %d loss %.4f lr %.3g", self.step, loss.item(), self.optimizer.param_groups[0]["lr"])
+            mid_epoch = self.batches_done < self.steps_per_epoch * accum
+            if mid_epoch and cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0:
+                self._save_checkpoint()
+        return (self.batches_done - first_batch) * global_micro_batch
+
+    def _run_batch(self, inputs, targets, sync):
+        inputs = inputs.to(self.ctx.device, non_blocking=True)
+        targets = targets.to(self.ctx.device, non_blocking=True)
+        # Gradients are all-reduced only on the last micro-step of an optimizer step.
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                loss = F.cross_entropy(self.model(inputs), targets)
+            self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
+        loss = loss.detach()
+        self.loss_totals[0] += loss.double() * len(targets)
+        self.loss_totals[1] += len(targets)
+        return loss
+
+    def _optimizer_step(self, loss):
+        cfg = self.cfg
+        # One small all-reduce per optimizer step makes every rank take the same decision:
+        # a rank that stopped alone would leave the others waiting in the next all-reduce.
+        stop, non_finite = any_rank(self.stop.requested, ~torch.isfinite(loss), device=self.ctx.device)
+        if non_finite and cfg.amp != "fp16":  # fp16: the scaler skips the step and lowers the scale
+            raise TrainingError(
+                f"loss is not finite at optimizer step {self.step + 1} (epoch {self.epoch + 1}); "
+                "lower --lr or set --max_grad_norm"
+            )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, cfg, self.total_steps)
+        if cfg.max_grad_norm > 0:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the loss-scaled ones
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        if stop:
+            self._save_checkpoint()
+            raise Preempted(self.stop.signum or signal.SIGTERM)
+
+    def _reduce_train_loss(self):
+        totals = self.loss_totals.clone()
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
+
+    @torch.no_grad()
+    def evaluate(self):
+        """Loss and accuracy over exactly the whole validation set, on every rank."""
+        model = self.model.module  # no DDP forward: nothing to synchronise in evaluation
+        model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss sum, correct, count
+        for inputs, targets in self.val_loader:
+            inputs = inputs.to(self.ctx.device, non_blocking=True)
+            targets = targets.to(self.ctx.device, non_blocking=True)
+            with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                logits = model(inputs)
+            totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
+            totals[1] += (logits.argmax(dim=1) == targets).sum()
+            totals[2] += len(targets)
+        dist.all_reduce(totals)  # sums and counts, not an average of per-rank averages
+        model.train()
+        loss_sum, correct, count = totals.tolist()
+        return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(count)}
+
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    ctx = setup_distributed(cfg.timeout_seconds)
+    try:
+        setup_logging(ctx, cfg.output_dir)
+        trainer = Trainer(cfg, ctx)
+        trainer.resume()
+        trainer.train()
+    except (TrainingError, CheckpointError) as error:
+        report("%s", error, level=logging.ERROR)
+        return 1
+    except Preempted as stop:
+        report("stopped by %s at step %d; checkpoint saved, run the same command to resume", stop, trainer.step)
+        return 128 + stop.signum
+    finally:
+        cleanup_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
