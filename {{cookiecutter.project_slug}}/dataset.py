@@ -94,16 +94,6 @@ class ShardedSampler(Sampler):
         return len(range(self.start + self.rank, self.usable, self.world_size))
 
 
-def seed_worker(worker_id):
-    # torch seeds each worker with the loader generator's draw + worker_id; the loader
-    # generator is re-seeded from (seed, rank, epoch) in `start_epoch`. numpy and random
-    # are not seeded by torch: without this, every worker repeats the same "random"
-    # augmentations.
-    worker_seed = torch.initial_seed()
-    random.seed(worker_seed)
-    np.random.seed(worker_seed % 2**32)
-
-
 def build_loaders(cfg, ctx):
     train_set, val_set = build_datasets(cfg)
     global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
@@ -112,8 +102,10 @@ def build_loaders(cfg, ctx):
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
         pin_memory=ctx.device.type == "cuda",  # page-locked buffers make non_blocking copies async
-        worker_init_fn=seed_worker,
     )
+    # Each epoch, `start_epoch` seeds this generator from (seed, rank, epoch); from it torch
+    # seeds every worker's torch, random and numpy generators with a distinct value per worker
+    # id. Augmentations then differ across ranks, workers and epochs, and repeat run to run.
     train_loader = DataLoader(train_set, sampler=sampler, generator=torch.Generator(), **common)
     # Evaluation: every sample exactly once across ranks (ranks may get one sample more or
     # less than others; metrics are reduced as sums and counts, so that is exact).
@@ -124,7 +116,7 @@ def build_loaders(cfg, ctx):
 
 def start_epoch(loader, epoch, rank, seed, start=0):
     """Call before iterating `loader` in an epoch (also on resume): new order, new noise,
-    re-seeded workers."""
+    newly seeded workers."""
     loader.sampler.set_epoch(epoch, start)
     if hasattr(loader.dataset, "set_epoch"):
         loader.dataset.set_epoch(epoch)

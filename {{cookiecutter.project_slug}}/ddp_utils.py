@@ -8,6 +8,7 @@ Rules this file enforces for the rest of the project:
 """
 
 import functools
+import gc
 import logging
 import os
 import signal
@@ -61,6 +62,10 @@ def setup_distributed(timeout_seconds=600):
 
 def cleanup_distributed():
     if dist.is_initialized():
+        # DDP's reducer sits in reference cycles that keep the process group alive past
+        # destroy_process_group; freed only at interpreter exit, gloo's worker threads then
+        # abort the process ("terminate called without an active exception"). Collect first.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -263,8 +263,11 @@ class Trainer:
             loss = self._run_batch(inputs, targets, sync=last_micro_step)
             if not last_micro_step:
                 continue
-            self._optimizer_step(loss)
+            stop = self._optimizer_step(loss)
             self.batches_done = micro_step + 1
+            if stop:  # agreed by all ranks: save where we are and exit
+                self._save_checkpoint()
+                raise Preempted(self.stop.signum or signal.SIGTERM)
             if cfg.log_every_steps and self.step % cfg.log_every_steps == 0:
                 report("step %d loss %.4f lr %.3g", self.step, loss.item(), self.optimizer.param_groups[0]["lr"])
             mid_epoch = self.batches_done < self.steps_per_epoch * accum
@@ -278,14 +281,29 @@ class Trainer:
         # Gradients are all-reduced only on the last micro-step of an optimizer step.
         with contextlib.nullcontext() if sync else self.model.no_sync():
             with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                loss = F.cross_entropy(self.model(inputs), targets)
+                loss = F.cross_entropy(self._forward(inputs), targets)
             self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
         loss = loss.detach()
         self.loss_totals[0] += loss.double() * len(targets)
         self.loss_totals[1] += len(targets)
         return loss
 
+    def _forward(self, inputs):
+        try:
+            return self.model(inputs)
+        except RuntimeError as error:
+            # DDP notices parameters that got no gradient in the previous step only now, and
+            # its message is long; say which knob fixes it.
+            if "find_unused_parameters" not in str(error):
+                raise
+            raise TrainingError(
+                "some model parameters received no gradient in the last step, so DDP could not finish "
+                "its all-reduce: set --find_unused_parameters true (slower), or run with "
+                "TORCH_DISTRIBUTED_DEBUG=DETAIL to see which parameters"
+            ) from None
+
     def _optimizer_step(self, loss):
+        """Clip, step and schedule; returns whether all ranks agreed to stop after this step."""
         cfg = self.cfg
         # One small all-reduce per optimizer step makes every rank take the same decision:
         # a rank that stopped alone would leave the others waiting in the next all-reduce.
@@ -304,9 +322,7 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        if stop:
-            self._save_checkpoint()
-            raise Preempted(self.stop.signum or signal.SIGTERM)
+        return stop
 
     def _reduce_train_loss(self):
         totals = self.loss_totals.clone()
@@ -333,11 +349,12 @@ class Trainer:
         return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(count)}
 
 
-def main(argv=None):
-    cfg = parse_config(argv)
-    ctx = setup_distributed(cfg.timeout_seconds)
+def run(cfg, ctx):
+    """Train; returns the exit code. Everything holding process-group work (DDP's reducer)
+    is released when this returns, before the group is destroyed."""
+    setup_logging(ctx, cfg.output_dir)
+    trainer = None
     try:
-        setup_logging(ctx, cfg.output_dir)
         trainer = Trainer(cfg, ctx)
         trainer.resume()
         trainer.train()
@@ -347,9 +364,16 @@ def main(argv=None):
     except Preempted as stop:
         report("stopped by %s at step %d; checkpoint saved, run the same command to resume", stop, trainer.step)
         return 128 + stop.signum
+    return 0
+
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    ctx = setup_distributed(cfg.timeout_seconds)
+    try:
+        return run(cfg, ctx)
     finally:
         cleanup_distributed()
-    return 0
 
 
 if __name__ == "__main__":

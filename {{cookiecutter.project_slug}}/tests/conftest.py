@@ -14,16 +14,19 @@ sys.path.insert(0, str(PROJECT))
 
 # Small and fast: every test trains for real, so keep the task tiny.
 TINY = ["--train_samples", "1024", "--val_samples", "256", "--hidden_dim", "32", "--batch_size", "32"]
-TINY += ["--epochs", "2", "--lr", "0.01", "--log_every_steps", "0", "--amp", "none"]
+TINY += ["--epochs", "2", "--lr", "0.01", "--log_every_steps", "0"]
 
 
-def run_training(output_dir, *args, nproc=1, timeout=180, env=None, check=True):
-    """Run train.py with `nproc` processes (torchrun when nproc > 1); returns the CompletedProcess."""
-    command = [sys.executable, "train.py"]
+def run_training(output_dir, *args, nproc=1, probe=None, timeout=180, env=None, check=True):
+    """Run train.py with `nproc` processes (torchrun when nproc > 1); returns the CompletedProcess.
+
+    With `probe`, run it through tests/ddp_probe.py with that fault or instrument installed.
+    """
+    script = ["tests/ddp_probe.py", probe] if probe else ["train.py"]
+    launcher = [sys.executable]
     if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        command += ["train.py"]
-    command += [*TINY, "--output_dir", str(output_dir), *map(str, args)]
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command = [*launcher, *script, *TINY, "--output_dir", str(output_dir), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     result = subprocess.run(command, cwd=PROJECT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
@@ -31,9 +34,19 @@ def run_training(output_dir, *args, nproc=1, timeout=180, env=None, check=True):
     return result
 
 
+def probe_output(result):
+    """The PROBE lines printed by rank 0, as dicts."""
+    lines = [line.removeprefix("PROBE ") for line in result.stdout.splitlines() if line.startswith("PROBE ")]
+    return [json.loads(line) for line in lines]
+
+
 def read_metrics(output_dir):
     lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fixed_amp: sets --amp itself, so the project's default amp does not matter")
 
 
 def load_final_model(output_dir):

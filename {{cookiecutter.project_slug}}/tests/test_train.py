@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from conftest import load_final_model, read_metrics, run_training
 
@@ -60,6 +61,7 @@ def test_single_process_without_torchrun(tmp_path):
     assert set(load_final_model(tmp_path)) == {f"layers.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")}
 
 
+@pytest.mark.fixed_amp
 def test_amp_modes_train(tmp_path):
     for amp in ("bf16", "fp16"):
         run_training(tmp_path / amp, "--epochs", "1", "--amp", amp)

@@ -1,0 +1,125 @@
+"""Run train.py's `main` with one fault or instrument installed (tests only).
+
+    torchrun --nproc_per_node=2 tests/ddp_probe.py PROBE [train.py arguments]
+    python tests/ddp_probe.py PROBE [train.py arguments]
+
+Probes change nothing in the product code: they wrap its functions from the outside.
+Rank 0 prints results as lines starting with "PROBE ".
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import train  # noqa: E402
+from model import build_model  # noqa: E402
+
+RANK = int(os.environ.get("RANK", 0))
+
+
+def probe_print(**values):
+    if RANK == 0:
+        print("PROBE " + json.dumps(values), flush=True)
+
+
+def count_allreduce():
+    """Count gradient all-reduces with a DDP communication hook."""
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(1)
+        return default_hooks.allreduce_hook(None, bucket)
+
+    class CountingDDP(train.DDP):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.register_comm_hook(None, counting_hook)
+
+    train.DDP = CountingDDP
+    return lambda: probe_print(allreduce_calls=len(calls))
+
+
+def nan_on_rank1():
+    """Rank 1 alone gets a NaN loss (before backward) in its 3rd training micro-step."""
+    original = torch.nn.functional.cross_entropy
+    calls = []
+
+    def cross_entropy(*args, **kwargs):
+        loss = original(*args, **kwargs)
+        calls.append(1)
+        return loss * float("nan") if RANK == 1 and len(calls) == 3 else loss
+
+    torch.nn.functional.cross_entropy = cross_entropy
+
+
+def stop_on_rank1():
+    """Rank 1 alone sees a stop request (as from SIGTERM) after its 3rd micro-step."""
+    original = train.Trainer._run_batch
+    calls = []
+
+    def run_batch(self, *args, **kwargs):
+        loss = original(self, *args, **kwargs)
+        calls.append(1)
+        if RANK == 1 and len(calls) == 3:
+            self.stop.signum = 15
+        return loss
+
+    train.Trainer._run_batch = run_batch
+
+
+def unused_param():
+    """The model has a layer that never gets a gradient."""
+
+    class WithUnusedLayer(nn.Module):
+        def __init__(self, cfg):
+            super().__init__()
+            self.used = build_model(cfg)
+            self.unused = nn.Linear(cfg.input_dim, cfg.num_classes)
+
+        def forward(self, inputs):
+            return self.used(inputs)
+
+    train.build_model = WithUnusedLayer
+
+
+def eval_only():
+    """Evaluate the resumed checkpoint instead of training."""
+
+    def evaluate(self):
+        probe_print(**self.evaluate())
+
+    train.Trainer.train = evaluate
+
+
+def record_clip():
+    """Print the gradient norm that clipping sees in the first step, and the norm after it."""
+    original = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+        parameters = list(parameters)
+        before = original(parameters, max_norm, *args, **kwargs)
+        if not calls:
+            after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in parameters]))
+            probe_print(before=before.item(), after=after.item())
+        calls.append(1)
+        return before
+
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+
+
+PROBES = {f.__name__: f for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip)}
+
+if __name__ == "__main__":
+    finish = PROBES[sys.argv[1]]()
+    code = train.main(sys.argv[2:])
+    if finish:
+        finish()
+    sys.exit(code)

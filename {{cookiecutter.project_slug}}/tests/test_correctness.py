@@ -1,0 +1,177 @@
+"""Properties that make DDP training correct, each checked by running real processes.
+
+The README's "Correctness guarantees" section names these tests.
+"""
+
+import math
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import load_final_model, probe_output, read_metrics, run_training
+from torch.utils.data import Dataset, get_worker_info
+
+import dataset
+from config import Config
+
+pytestmark = pytest.mark.fixed_amp  # exact comparisons need --amp none; set per run below
+
+EXACT = ["--amp", "none", "--epochs", "2", "--val_samples", "1001"]
+
+
+def relative_difference(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.fixture(scope="module")
+def equivalent_runs(tmp_path_factory):
+    """The same global batch (64) three ways; the last also counts gradient all-reduces."""
+    runs = {}
+    for name, args, nproc, probe in [
+        ("1x64", ["--batch_size", "64"], 1, None),
+        ("2x32", ["--batch_size", "32"], 2, None),
+        ("2x16_accum2", ["--batch_size", "16", "--grad_accum_steps", "2"], 2, "count_allreduce"),
+    ]:
+        output_dir = tmp_path_factory.mktemp(name)
+        result = run_training(output_dir, *EXACT, *args, nproc=nproc, probe=probe)
+        runs[name] = SimpleNamespace(output_dir=output_dir, result=result, model=load_final_model(output_dir))
+    return runs
+
+
+def test_world_size_and_accumulation_give_the_same_parameters(equivalent_runs):
+    reference = equivalent_runs["1x64"].model
+    for name in ("2x32", "2x16_accum2"):
+        model = equivalent_runs[name].model
+        for key in reference:
+            assert relative_difference(model[key], reference[key]) < 1e-4, (name, key)
+
+
+def test_world_size_and_accumulation_give_the_same_metrics(equivalent_runs):
+    reference = read_metrics(equivalent_runs["1x64"].output_dir)
+    for name in ("2x32", "2x16_accum2"):
+        for ours, theirs in zip(read_metrics(equivalent_runs[name].output_dir), reference, strict=True):
+            assert ours["step"] == theirs["step"]
+            assert ours["val_samples"] == theirs["val_samples"] == 1001
+            for key in ("train_loss", "val_loss", "val_accuracy"):
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-4), (name, key)
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(equivalent_runs):
+    run = equivalent_runs["2x16_accum2"]
+    (counts,) = probe_output(run.result)
+    steps = read_metrics(run.output_dir)[-1]["step"]
+    assert steps == 2 * 1024 // 64
+    assert counts["allreduce_calls"] == steps  # one bucket for this small model, once per step
+
+
+def test_evaluation_counts_every_sample_once(equivalent_runs, tmp_path):
+    """The same parameters evaluated by 2 processes give the single-process numbers, with an
+    odd val_samples that splits 501/500 (averaging per-rank means would be off)."""
+    single = equivalent_runs["1x64"]
+    expected = read_metrics(single.output_dir)[-1]
+    checkpoint = single.output_dir / "checkpoints" / "last.pt"
+    result = run_training(tmp_path, *EXACT, "--resume", checkpoint, nproc=2, probe="eval_only")
+    (metrics,) = probe_output(result)
+    assert metrics["val_samples"] == 1001
+    assert metrics["val_accuracy"] == expected["val_accuracy"]
+    assert metrics["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def seeded_runs(tmp_path_factory):
+    """2-process runs with DataLoader workers and input noise: twice the same, once another seed."""
+    args = ["--amp", "none", "--epochs", "2", "--num_workers", "2", "--input_noise_std", "0.3"]
+    runs = {}
+    for name, seed in [("a", 0), ("a_again", 0), ("b", 1)]:
+        output_dir = tmp_path_factory.mktemp(name)
+        run_training(output_dir, *args, "--seed", seed, nproc=2)
+        runs[name] = load_final_model(output_dir)
+    return runs
+
+
+def test_identical_runs_are_bit_identical(seeded_runs):
+    a, again = seeded_runs["a"], seeded_runs["a_again"]
+    assert all(torch.equal(a[key], again[key]) for key in a)
+
+
+def test_another_seed_gives_other_parameters(seeded_runs):
+    a, b = seeded_runs["a"], seeded_runs["b"]
+    assert not any(torch.equal(a[key], b[key]) for key in a)
+
+
+class RandomDraws(Dataset):
+    """Each item is what the global random generators give in the process that loads it."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        worker = get_worker_info()
+        return torch.tensor([torch.rand(1).item(), np.random.rand(), random.random(), worker.id if worker else -1])
+
+
+def draws(monkeypatch, rank, epoch, seed=0):
+    monkeypatch.setattr(dataset, "build_datasets", lambda cfg: (RandomDraws(), RandomDraws()))
+    cfg = Config(seed=seed, num_workers=2, batch_size=4, train_samples=64)
+    ctx = SimpleNamespace(rank=rank, world_size=2, device=torch.device("cpu"))
+    loader, _ = dataset.build_loaders(cfg, ctx)
+    dataset.start_epoch(loader, epoch, rank, seed)
+    return torch.cat(list(loader))
+
+
+def test_data_pipeline_randomness_differs_across_workers_ranks_epochs(monkeypatch):
+    rank0 = draws(monkeypatch, rank=0, epoch=0)
+    worker0, worker1 = rank0[rank0[:, 3] == 0, :3], rank0[rank0[:, 3] == 1, :3]
+    assert len(worker0) == len(worker1) > 0
+    for generator in range(3):  # torch, numpy, random: each differs across workers
+        assert not set(worker0[:, generator].tolist()) & set(worker1[:, generator].tolist())
+    assert torch.equal(rank0, draws(monkeypatch, rank=0, epoch=0))  # reproducible
+    for other in (draws(monkeypatch, rank=1, epoch=0), draws(monkeypatch, rank=0, epoch=1)):
+        assert not set(rank0[:, :3].flatten().tolist()) & set(other[:, :3].flatten().tolist())
+
+
+def test_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
+    result = run_training(tmp_path, "--amp", "none", "--timeout_seconds", "30", nproc=2, probe="nan_on_rank1",
+                          check=False, timeout=90)  # fmt: skip
+    assert result.returncode != 0
+    assert result.stdout.count("loss is not finite at optimizer step 3") == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout
+
+
+def test_fp16_skips_the_overflowing_step_and_goes_on(tmp_path):
+    run_training(tmp_path, "--amp", "fp16", nproc=2, probe="nan_on_rank1")
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert state["scaler"]["scale"] == 2.0**15  # halved once from 2**16 by the skipped step
+    assert all(torch.isfinite(value).all() for value in state["model"].values())
+    assert all(math.isfinite(m["train_loss"]) or m["epoch"] == 1 for m in read_metrics(tmp_path))
+
+
+def test_stop_request_on_one_rank_stops_every_rank_together(tmp_path):
+    result = run_training(tmp_path, "--amp", "none", "--timeout_seconds", "30", nproc=2, probe="stop_on_rank1",
+                          check=False, timeout=90)  # fmt: skip
+    assert result.returncode != 0
+    assert "stopped by SIGTERM at step 3" in result.stdout
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["step"], state["epoch"], state["batches_done"]) == (3, 0, 3)
+
+
+@pytest.mark.parametrize("amp", ["none", "fp16"])
+def test_clipping_sees_the_true_gradient_norm(tmp_path, amp):
+    """fp16 must unscale before clipping: the norm it clips is that of the fp32 run, not 65536x."""
+    result = run_training(tmp_path, "--amp", amp, "--max_grad_norm", "0.01", probe="record_clip")
+    (clip,) = probe_output(result)
+    reference = run_training(tmp_path / "ref", "--amp", "none", "--max_grad_norm", "0.01", probe="record_clip")
+    (expected,) = probe_output(reference)
+    assert clip["before"] == pytest.approx(expected["before"], rel=0.05)
+    assert clip["after"] == pytest.approx(0.01, rel=1e-3)
+
+
+def test_unused_parameters_error_names_the_fix(tmp_path):
+    result = run_training(tmp_path, "--amp", "none", nproc=2, probe="unused_param", check=False)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert output.count("set --find_unused_parameters true") == 1, output
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in output
+    run_training(tmp_path / "fixed", "--amp", "none", "--find_unused_parameters", "true", nproc=2, probe="unused_param")
