@@ -22,6 +22,7 @@ EXPECTED_FILES = {
     "tests/test_correctness.py",
     "tests/test_config.py",
     "tests/test_data.py",
+    "tests/test_resilience.py",
     "tests/test_schedule.py",
     "tests/test_train.py",
     "train.py",

@@ -54,7 +54,12 @@ def setup_distributed(timeout_seconds=600):
         device, backend = torch.device("cpu"), "gloo"
     timeout = timedelta(seconds=timeout_seconds)
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        # torchrun's agent keeps one key-value store across restarts; keys left by a killed
+        # attempt can make the restarted group connect to a dead peer and hang. Each restart
+        # therefore gets its own key space.
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistContext(rank, local_rank, world_size, device)

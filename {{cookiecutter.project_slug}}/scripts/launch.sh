@@ -5,7 +5,8 @@
 #   MASTER_ADDR=10.0.0.1 NODE_RANK=0 NNODES=2 scripts/launch.sh   # on the first node
 #   MASTER_ADDR=10.0.0.1 NODE_RANK=1 NNODES=2 scripts/launch.sh   # on the second node
 #
-# Defaults come from the answers given when the project was generated.
+# Defaults come from the answers given when the project was generated. MAX_RESTARTS > 0 lets
+# torchrun restart all workers when one dies; they resume from the newest checkpoint.
 set -euo pipefail
 
 NNODES=${NNODES:-{{ cookiecutter.num_nodes }}}
@@ -30,6 +31,10 @@ else
     [[ -n $MASTER_ADDR ]] || die "NNODES=$NNODES needs MASTER_ADDR (the address of the NODE_RANK=0 node)"
     rendezvous=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT")
 fi
+
+# torchrun forwards these signals to every worker, which then checkpoint and exit: SIGTERM
+# (schedulers, Kubernetes) and SIGUSR1 (SLURM's --signal). Older torchrun ignores the variable.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 
 echo "launch.sh: nodes=$NNODES node_rank=$NODE_RANK procs_per_node=$NPROC_PER_NODE" \
     "master=${MASTER_ADDR:-localhost}:$MASTER_PORT max_restarts=$MAX_RESTARTS" >&2

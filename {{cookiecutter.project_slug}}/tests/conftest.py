@@ -17,18 +17,27 @@ TINY = ["--train_samples", "1024", "--val_samples", "256", "--hidden_dim", "32",
 TINY += ["--epochs", "2", "--lr", "0.01", "--log_every_steps", "0"]
 
 
-def run_training(output_dir, *args, nproc=1, probe=None, timeout=180, env=None, check=True):
-    """Run train.py with `nproc` processes (torchrun when nproc > 1); returns the CompletedProcess.
+def training_command(output_dir, *args, nproc=1, probe=None, torchrun_args=()):
+    """train.py with `nproc` processes (torchrun when nproc > 1), on the TINY task.
 
     With `probe`, run it through tests/ddp_probe.py with that fault or instrument installed.
     """
     script = ["tests/ddp_probe.py", probe] if probe else ["train.py"]
     launcher = [sys.executable]
     if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    command = [*launcher, *script, *TINY, "--output_dir", str(output_dir), *map(str, args)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    result = subprocess.run(command, cwd=PROJECT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
+    return [*launcher, *script, *TINY, "--output_dir", str(output_dir), *map(str, args)]
+
+
+def training_env(env=None):
+    return {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+def run_training(output_dir, *args, nproc=1, probe=None, timeout=180, env=None, check=True, torchrun_args=()):
+    """Run training to the end; returns the CompletedProcess (raises if it failed and `check`)."""
+    command = training_command(output_dir, *args, nproc=nproc, probe=probe, torchrun_args=torchrun_args)
+    env = training_env(env)
+    result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result

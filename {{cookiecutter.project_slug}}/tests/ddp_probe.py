@@ -9,7 +9,9 @@ Rank 0 prints results as lines starting with "PROBE ".
 
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -115,7 +117,39 @@ def record_clip():
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
 
-PROBES = {f.__name__: f for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip)}
+def slow():
+    """Sleep 50 ms per micro-step, so a test can signal or kill processes mid-run."""
+    original = train.Trainer._run_batch
+
+    def run_batch(self, *args, **kwargs):
+        time.sleep(0.05)
+        return original(self, *args, **kwargs)
+
+    train.Trainer._run_batch = run_batch
+
+
+def crash_in_third_save():
+    """The 3rd checkpoint write dies halfway (SIGKILL, as on a node failure or a full disk)."""
+    original = torch.save
+    calls = []
+
+    def save(obj, f, *args, **kwargs):
+        if str(getattr(f, "name", "")).endswith(".pt.tmp"):  # checkpoint files, not in-memory pickles
+            calls.append(1)
+        if len(calls) == 3:
+            f.write(b"PK\x03\x04 half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
+PROBES = {
+    f.__name__: f
+    for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip)
+    + (slow, crash_in_third_save)
+}
 
 if __name__ == "__main__":
     finish = PROBES[sys.argv[1]]()
