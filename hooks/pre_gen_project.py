@@ -11,6 +11,7 @@ import sys
 SLUG_PATTERN = re.compile(r"[a-z][a-z0-9_-]*\Z")
 COUNT_PROMPTS = ("num_nodes", "gpus_per_node")
 AMP_CHOICES = ("bf16", "fp16", "none")
+YES_NO = ("yes", "no")
 
 
 def check_slug(value):
@@ -35,11 +36,18 @@ def check_amp(value):
     return None
 
 
+def check_yes_no(name, value):
+    if value not in YES_NO:
+        return f"{name} {value!r} is not one of: yes, no"
+    return None
+
+
 def first_error(answers):
     """Return one line describing the first invalid answer, or None if all are valid."""
     checks = [check_slug(answers.get("project_slug"))]
     checks += [check_count(name, answers.get(name)) for name in COUNT_PROMPTS]
     checks.append(check_amp(answers.get("amp")))
+    checks.append(check_yes_no("slurm", answers.get("slurm")))
     return next((error for error in checks if error), None)
 
 
@@ -51,7 +59,8 @@ def main():
         "project_slug": {{ cookiecutter.project_slug | tojson }},
         "num_nodes": {{ cookiecutter.num_nodes | tojson }},
         "gpus_per_node": {{ cookiecutter.gpus_per_node | tojson }},
-        "amp": {{ cookiecutter.amp | tojson }}
+        "amp": {{ cookiecutter.amp | tojson }},
+        "slurm": {{ cookiecutter.slurm | tojson }}
     }"""
     )
     error = first_error(answers)

@@ -9,7 +9,7 @@ spec = importlib.util.spec_from_file_location("pre_gen_project", TEMPLATE / "hoo
 hook = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hook)
 
-VALID = {"project_slug": "my_project", "num_nodes": "1", "gpus_per_node": "8", "amp": "bf16"}
+VALID = {"project_slug": "my_project", "num_nodes": "1", "gpus_per_node": "8", "amp": "bf16", "slurm": "yes"}
 
 
 def test_valid_answers_pass():
@@ -32,3 +32,7 @@ def test_bad_counts(name, value):
 
 def test_bad_amp():
     assert hook.first_error({**VALID, "amp": "fp8"}).startswith("amp 'fp8' is not one of: bf16, fp16, none")
+
+
+def test_bad_slurm_answer():
+    assert hook.first_error({**VALID, "slurm": "maybe"}) == "slurm 'maybe' is not one of: yes, no"

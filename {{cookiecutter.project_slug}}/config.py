@@ -31,13 +31,16 @@ class Config:
         "'auto': continue from output_dir/checkpoints/last.pt if present, 'none': start fresh, or a checkpoint path",
     )
 
-    # Data (the built-in synthetic task; see dataset.py to plug in your own)
+    # Data (see dataset.py to plug in your own)
+    dataset: str = knob("synthetic", "which dataset build_datasets returns", ("synthetic", "blobs"))
     train_samples: int = knob(16384, "training samples")
     val_samples: int = knob(2048, "validation samples (all of them are evaluated, once)")
     input_dim: int = knob(32, "features per sample")
     num_classes: int = knob(4, "classes")
     input_noise_std: float = knob(0.0, "std of Gaussian noise added to training inputs, 0 = off")
     num_workers: int = knob(0, "DataLoader worker processes per training process")
+    persistent_workers: bool = knob(True, "keep DataLoader workers alive across epochs (with num_workers > 0)")
+    prefetch_factor: int = knob(2, "batches each DataLoader worker loads ahead (with num_workers > 0)")
 
     # Model
     hidden_dim: int = knob(256, "width of the two hidden layers")
@@ -59,10 +62,25 @@ class Config:
         ("bf16", "fp16", "none"),
     )
 
+    # Speed
+    compile: bool = knob(False, "torch.compile the DDP-wrapped model (PyTorch's documented order)")
+    tf32: bool = knob(True, "allow TF32 matmuls and convolutions on GPUs that have them")
+    gradient_as_bucket_view: bool = knob(True, "gradients as views of DDP's buckets: saves a copy and memory")
+    static_graph: bool = knob(False, "tell DDP the graph is the same every step (enables more overlap)")
+    bucket_cap_mb: int = knob(25, "size of DDP's gradient buckets in MiB")
+    comm_hook: str = knob(
+        "none",
+        "compress gradients before all-reduce, for slow inter-node links",
+        ("none", "bf16", "fp16", "powersgd"),
+    )
+
     # Checkpoints and logging
     checkpoint_every_steps: int = knob(0, "also checkpoint every N optimizer steps, 0 = epoch ends only")
     keep_checkpoints: int = knob(3, "newest step checkpoints kept besides last.pt")
     log_every_steps: int = knob(50, "log the training loss every N optimizer steps, 0 = off")
+    progress_bar: bool = knob(True, "tqdm progress bar on rank 0 when stdout is a terminal")
+    tensorboard: bool = knob(False, "also log to output_dir/tensorboard (needs the tensorboard package)")
+    peak_tflops: float = knob(0.0, "peak TFLOPS of one GPU for the MFU estimate, 0 = look up the GPU")
 
     # Distributed
     timeout_seconds: int = knob(600, "limit for process-group start-up and each collective")
@@ -76,12 +94,12 @@ class Config:
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f.name, f"must be one of {', '.join(choices)}")
         positive = ("epochs", "train_samples", "val_samples", "input_dim", "hidden_dim")
-        positive += ("batch_size", "grad_accum_steps", "timeout_seconds")
+        positive += ("batch_size", "grad_accum_steps", "timeout_seconds", "prefetch_factor", "bucket_cap_mb")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be at least 1")
         non_negative = ("num_workers", "input_noise_std", "weight_decay", "max_grad_norm")
-        non_negative += ("warmup_steps", "checkpoint_every_steps", "keep_checkpoints", "log_every_steps")
+        non_negative += ("warmup_steps", "checkpoint_every_steps", "keep_checkpoints", "log_every_steps", "peak_tflops")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(name, "must not be negative")
@@ -122,7 +140,7 @@ class _OneRankParser(argparse.ArgumentParser):
 
 def exit_with_error(message):
     # Every rank parses the command line; only the first prints, all exit.
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 

@@ -42,10 +42,13 @@ class SyntheticClassification(Dataset):
         samples = torch.Generator().manual_seed(mix_seed(seed, split))
         self.inputs = torch.randn(num_samples, input_dim, generator=samples)
         self.targets = (torch.tanh(self.inputs @ hidden) @ readout).argmax(dim=1)
-        self.seed, self.noise_std, self.epoch = seed, noise_std, 0
+        self.seed, self.noise_std = seed, noise_std
+        # Shared memory: persistent DataLoader workers keep their copy of the dataset across
+        # epochs, and still see the epoch the main process sets.
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def set_epoch(self, epoch):
-        self.epoch = epoch
+        self.epoch.fill_(epoch)
 
     def __len__(self):
         return len(self.targets)
@@ -53,14 +56,41 @@ class SyntheticClassification(Dataset):
     def __getitem__(self, index):
         inputs = self.inputs[index]
         if self.noise_std > 0:
-            noise = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch, index))
+            noise = torch.Generator().manual_seed(mix_seed(self.seed, int(self.epoch), index))
             inputs = inputs + self.noise_std * torch.randn(inputs.shape, generator=noise)
         return inputs, self.targets[index]
 
+    def __getitems__(self, indices):
+        """A whole batch with one gather instead of a Python call per sample (DataLoader uses it)."""
+        if self.noise_std > 0:
+            return [self[index] for index in indices]
+        index = torch.as_tensor(indices)
+        return list(zip(self.inputs[index].unbind(), self.targets[index].unbind()))
+
+
+class GaussianBlobs(Dataset):
+    """A second, simpler task: one Gaussian cluster per class (the README's worked example of
+    plugging in a dataset). Any map-style Dataset of (input, target) pairs works the same way."""
+
+    def __init__(self, num_samples, input_dim, num_classes, seed, split):
+        centers = torch.randn(num_classes, input_dim, generator=torch.Generator().manual_seed(mix_seed(seed, "blobs")))
+        samples = torch.Generator().manual_seed(mix_seed(seed, "blobs", split))
+        self.targets = torch.randint(num_classes, (num_samples,), generator=samples)
+        self.inputs = centers[self.targets] + 0.5 * torch.randn(num_samples, input_dim, generator=samples)
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, index):
+        return self.inputs[index], self.targets[index]
+
 
 def build_datasets(cfg):
-    """Plug in your own data here: return (train_dataset, val_dataset)."""
+    """Plug in your own data here: return (train_dataset, val_dataset) for `cfg.dataset`."""
     shape = dict(input_dim=cfg.input_dim, num_classes=cfg.num_classes, seed=cfg.seed)
+    if cfg.dataset == "blobs":
+        train = GaussianBlobs(cfg.train_samples, split="train", **shape)
+        return train, GaussianBlobs(cfg.val_samples, split="val", **shape)
     train = SyntheticClassification(cfg.train_samples, split="train", noise_std=cfg.input_noise_std, **shape)
     val = SyntheticClassification(cfg.val_samples, split="val", **shape)
     return train, val
@@ -102,6 +132,8 @@ def build_loaders(cfg, ctx):
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
         pin_memory=ctx.device.type == "cuda",  # page-locked buffers make non_blocking copies async
+        persistent_workers=cfg.num_workers > 0 and cfg.persistent_workers,
+        prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
     )
     # Each epoch, `start_epoch` seeds this generator from (seed, rank, epoch); from it torch
     # seeds every worker's torch, random and numpy generators with a distinct value per worker

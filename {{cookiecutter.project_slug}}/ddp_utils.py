@@ -7,12 +7,16 @@ Rules this file enforces for the rest of the project:
 - The process group is destroyed on every exit path (`cleanup_distributed` in a finally).
 """
 
+import faulthandler
 import functools
 import gc
 import logging
 import os
 import signal
+import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -36,15 +40,16 @@ class DistContext:
 
 
 def setup_distributed(timeout_seconds=600):
-    """Join the process group that torchrun describes, or form a group of one.
+    """Join the process group that torchrun (or srun) describes, or form a group of one.
 
-    Without torchrun's variables (plain `python train.py`) a single-process group is made on
-    an in-memory store, so the rest of the code runs one path: DDP, collectives and the
-    sampler behave exactly as with more processes.
+    Under torchrun, RANK/LOCAL_RANK/WORLD_SIZE are set; under `srun --ntasks-per-node=G python
+    train.py`, SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS are (torchrun's take precedence). With
+    neither (plain `python train.py`) a single-process group is made on an in-memory store,
+    so the rest of the code runs one path: DDP, collectives and the sampler behave exactly as
+    with more processes.
     """
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    env = process_env()
+    rank, local_rank, world_size = env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]
     if torch.cuda.is_available():
         # Set the device before init so NCCL binds this process to its own GPU; the global
         # rank is no device index on any node but the first.
@@ -53,7 +58,9 @@ def setup_distributed(timeout_seconds=600):
     else:
         device, backend = torch.device("cpu"), "gloo"
     timeout = timedelta(seconds=timeout_seconds)
-    if "RANK" in os.environ:
+    # NCCL: a collective past the timeout raises instead of hanging forever.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if world_size > 1 or "RANK" in os.environ:
         # torchrun's agent keeps one key-value store across restarts; keys left by a killed
         # attempt can make the restarted group connect to a dead peer and hang. Each restart
         # therefore gets its own key space.
@@ -63,6 +70,30 @@ def setup_distributed(timeout_seconds=600):
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistContext(rank, local_rank, world_size, device)
+
+
+def process_env():
+    """This process's place in the job: from torchrun's variables, else SLURM's, else alone.
+
+    For SLURM's one-task-per-GPU style, MASTER_ADDR defaults to the first node of the
+    allocation and MASTER_PORT to a port derived from the job id; both are exported so
+    `env://` rendezvous finds them.
+    """
+    if "RANK" in os.environ:
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+        return {name: int(os.environ[name]) for name in names}
+    if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in os.environ:
+        if "MASTER_ADDR" not in os.environ:
+            command = ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]]
+            hostnames = subprocess.run(command, capture_output=True, text=True, check=True).stdout.split()
+            os.environ["MASTER_ADDR"] = hostnames[0]
+        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
+        return {
+            "RANK": int(os.environ["SLURM_PROCID"]),
+            "LOCAL_RANK": int(os.environ["SLURM_LOCALID"]),
+            "WORLD_SIZE": int(os.environ["SLURM_NTASKS"]),
+        }
+    return {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1}
 
 
 def cleanup_distributed():
@@ -75,7 +106,9 @@ def cleanup_distributed():
 
 
 def global_rank():
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
 def rank_zero_only(fn):
@@ -138,6 +171,49 @@ class StopRequest:
     @property
     def requested(self):
         return self.signum != 0
+
+
+class Watchdog:
+    """Say where this rank is stuck before the collective timeout ends the job.
+
+    The loop calls `beat("train step 12")` as it goes. A daemon thread checks that a beat came
+    within `seconds`; if not, it logs which phase this rank has been stuck in and writes every
+    thread's Python stack to stderr (faulthandler), once per stall. Each rank does this, so the
+    output shows which ranks were waiting where: the one stuck in its own code, and the others
+    waiting for it inside a collective. A stop signal during a stall ends the process at once.
+    """
+
+    def __init__(self, seconds, rank, stop):
+        self.seconds, self.rank, self.stop = seconds, rank, stop
+        self.phase, self.last_beat, self.reported = "start-up", time.monotonic(), False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, phase):
+        self.phase, self.last_beat, self.reported = phase, time.monotonic(), False
+
+    def _watch(self):
+        while not self._stop.wait(min(1.0, self.seconds / 4)):
+            stalled = time.monotonic() - self.last_beat
+            if stalled > self.seconds and not self.reported:
+                self.reported = True
+                log.error(
+                    "rank %d: no progress for %.0f s in %s; Python stacks of this rank follow on stderr",
+                    self.rank,
+                    stalled,
+                    self.phase,
+                )
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            if self.reported and self.stop.requested:
+                # A stalled loop can never act on the stop request (and save); end now
+                # rather than when the launcher's grace period runs out.
+                log.error("rank %d: stop requested while stalled in %s; exiting", self.rank, self.phase)
+                logging.shutdown()
+                os._exit(1)
+
+    def close(self):
+        self._stop.set()
 
 
 # --- checkpoints -------------------------------------------------------------------------

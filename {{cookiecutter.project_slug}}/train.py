@@ -10,7 +10,6 @@ checkpoints), then `main`, which owns the process group's lifetime.
 """
 
 import contextlib
-import json
 import logging
 import math
 import random
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import parse_config
@@ -30,6 +30,7 @@ from dataset import build_loaders, mix_seed, seed_everything, start_epoch
 from ddp_utils import (
     CheckpointError,
     StopRequest,
+    Watchdog,
     any_rank,
     checkpoint_candidates,
     cleanup_distributed,
@@ -40,6 +41,7 @@ from ddp_utils import (
     setup_distributed,
     setup_logging,
 )
+from metrics import Reporter, flops_per_sample, format_metrics, mfu, peak_memory_mb, peak_tflops
 from model import build_model
 
 log = logging.getLogger("train")
@@ -69,6 +71,34 @@ def lr_at(step, cfg, total_steps):
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
+def register_comm_hook(model, name):
+    """Compress gradients before DDP's all-reduce: fewer bytes over slow inter-node links."""
+    if name in ("bf16", "fp16"):
+        model.register_comm_hook(None, compressed_allreduce_hook(AMP_DTYPES[name]))
+    elif name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def compressed_allreduce_hook(dtype):
+    """Average each gradient bucket in `dtype` (half the bytes of fp32), then copy it back.
+
+    The same arithmetic as PyTorch's fp16/bf16_compress_hook, which refuses to run on gloo.
+    """
+
+    def hook(process_group, bucket):
+        group = process_group or dist.group.WORLD
+        compressed = bucket.buffer().to(dtype).div_(dist.get_world_size(group))
+        reduced = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(future):
+            return bucket.buffer().copy_(future.value()[0])
+
+        return reduced.then(decompress)
+
+    return hook
+
+
 def rng_state():
     """This process's random generators, as checkpoint-safe data (tensors, numbers, lists)."""
     state = {
@@ -90,25 +120,6 @@ def set_rng_state(state):
 
 
 @rank_zero_only
-def write_metrics(path, record):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-@rank_zero_only
-def truncate_metrics(path, step):
-    """On resume, drop lines logged after the checkpoint: they are about to be redone."""
-    if path.exists():
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
-
-
-def format_metrics(metrics):
-    parts = [f"{key} {value:.5g}" if isinstance(value, float) else f"{key} {value}" for key, value in metrics.items()]
-    return " ".join(parts)
-
-
-@rank_zero_only
 def report(message, *args, level=logging.INFO):
     log.log(level, message, *args)
 
@@ -118,7 +129,6 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = self.output_dir / "checkpoints"
-        self.metrics_path = self.output_dir / "metrics.jsonl"
         self.train_loader, self.val_loader = build_loaders(cfg, ctx)
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps
         if self.steps_per_epoch == 0:
@@ -138,17 +148,36 @@ class Trainer:
         self.amp_dtype = AMP_DTYPES[cfg.amp]
         # fp16 needs loss scaling; for bf16 and none the scaler is a no-op pass-through.
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.amp == "fp16")
+        if ctx.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels once
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
         self.model = DDP(
             model,
             device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
             find_unused_parameters=cfg.find_unused_parameters,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            static_graph=cfg.static_graph,
+            bucket_cap_mb=cfg.bucket_cap_mb,
         )
+        register_comm_hook(self.model, cfg.comm_hook)
+        # torch.compile goes around the DDP wrapper, so DDP's bucketing is compiled in step with
+        # the graph (PyTorch's documented order); no_sync() still acts on the wrapper.
+        self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+        self.flops_per_sample = flops_per_sample(model)
+        device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
+        self.peak_tflops = peak_tflops(device_name, cfg.amp, cfg.peak_tflops) if device_name else cfg.peak_tflops
+        try:
+            self.reporter = Reporter(ctx, cfg, self.output_dir)
+        except ImportError:
+            raise TrainingError("--tensorboard true needs the tensorboard package: pip install tensorboard") from None
 
         self.epoch = 0  # current epoch (0-based)
         self.step = 0  # optimizer steps done in the whole run
         self.batches_done = 0  # micro-batches done by each rank in the current epoch
         self.loss_totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # sum, count
         self.stop = StopRequest()
+        # Fires a little before the collective timeout, so stacks are written before the job ends.
+        self.watchdog = Watchdog(0.9 * cfg.timeout_seconds, ctx.rank, self.stop)
 
     # --- resume ---------------------------------------------------------------------------
 
@@ -199,7 +228,7 @@ class Trainer:
             self.batches_done = micro_batches // self.ctx.world_size
             if self.ctx.is_main:
                 self.loss_totals.copy_(sum(rank["loss_totals"] for rank in ranks))
-        truncate_metrics(self.metrics_path, self.step)
+        self.reporter.truncate(self.step)
         report("resumed from %s: epoch %d, step %d", path, self.epoch + 1, self.step)
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -207,6 +236,7 @@ class Trainer:
     def _save_checkpoint(self):
         # Per-rank state (random generators, partial loss sums) is gathered to rank 0, which
         # writes one file; a collective, so every rank calls this.
+        self.watchdog.beat(f"checkpoint at step {self.step}")
         ranks = [None] * self.ctx.world_size
         dist.all_gather_object(ranks, {"rng": rng_state(), "loss_totals": self.loss_totals.cpu()})
         state = {
@@ -232,19 +262,27 @@ class Trainer:
         global_batch = cfg.batch_size * self.ctx.world_size * cfg.grad_accum_steps
         report("training %d epochs of %d steps, global batch %d", cfg.epochs, self.steps_per_epoch, global_batch)
         while self.epoch < cfg.epochs:
-            started = time.perf_counter()
-            samples = self._run_epoch()
-            train_seconds = time.perf_counter() - started
+            started, cpu_started = time.perf_counter(), time.process_time()
+            samples, data_wait_s = self._run_epoch()
+            train_seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
             train_loss = self._reduce_train_loss()
+            samples_per_s = samples / train_seconds
             metrics = {
                 "epoch": self.epoch + 1,
                 "step": self.step,
                 "train_loss": train_loss,
                 **self.evaluate(),
-                "samples_per_s": samples / train_seconds,
+                "samples_per_s": samples_per_s,
+                "data_wait_s": data_wait_s,  # rank 0's time waiting for batches
+                "compute_s": train_seconds - data_wait_s,  # the rest of the epoch's training time
+                "cpu_s": cpu_seconds,  # rank 0's CPU time while training: host overhead shows here
+                "peak_memory_mb": peak_memory_mb(self.ctx.device),  # rank 0's
                 "lr": self.optimizer.param_groups[0]["lr"],
             }
-            write_metrics(self.metrics_path, metrics)
+            utilisation = mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_tflops)
+            if utilisation is not None:
+                metrics["mfu"] = utilisation
+            self.reporter.epoch_metrics(metrics)
             report("%s", format_metrics(metrics))
             self.epoch, self.batches_done = self.epoch + 1, 0
             self.loss_totals.zero_()
@@ -258,10 +296,16 @@ class Trainer:
         start_epoch(self.train_loader, self.epoch, ctx.rank, cfg.seed, start=self.batches_done * global_micro_batch)
         self.model.train()
         first_batch = self.batches_done
+        self.reporter.start_epoch(self.epoch + 1, cfg.epochs, self.steps_per_epoch, first_batch // accum)
+        epoch_started = time.perf_counter()
+        data_wait_s, waiting_since = 0.0, epoch_started
         for micro_step, (inputs, targets) in enumerate(self.train_loader, start=first_batch):
+            data_wait_s += time.perf_counter() - waiting_since
+            self.watchdog.beat(f"training, optimizer step {self.step + 1}")
             last_micro_step = (micro_step + 1) % accum == 0
             loss = self._run_batch(inputs, targets, sync=last_micro_step)
             if not last_micro_step:
+                waiting_since = time.perf_counter()
                 continue
             stop = self._optimizer_step(loss)
             self.batches_done = micro_step + 1
@@ -269,11 +313,22 @@ class Trainer:
                 self._save_checkpoint()
                 raise Preempted(self.stop.signum or signal.SIGTERM)
             if cfg.log_every_steps and self.step % cfg.log_every_steps == 0:
-                report("step %d loss %.4f lr %.3g", self.step, loss.item(), self.optimizer.param_groups[0]["lr"])
+                # Reading the loss waits for the device: only every log_every_steps steps.
+                loss_value = loss.item()
+                samples_per_s = (
+                    (micro_step + 1 - first_batch) * global_micro_batch / (time.perf_counter() - epoch_started)
+                )
+                report("step %d loss %.4f lr %.3g", self.step, loss_value, self.optimizer.param_groups[0]["lr"])
+                self.reporter.train_loss(self.step, loss_value)
+                self.reporter.step(loss_value, samples_per_s)
+            else:
+                self.reporter.step()
             mid_epoch = self.batches_done < self.steps_per_epoch * accum
             if mid_epoch and cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0:
                 self._save_checkpoint()
-        return (self.batches_done - first_batch) * global_micro_batch
+            waiting_since = time.perf_counter()
+        self.reporter.end_epoch()
+        return (self.batches_done - first_batch) * global_micro_batch, data_wait_s
 
     def _run_batch(self, inputs, targets, sync):
         inputs = inputs.to(self.ctx.device, non_blocking=True)
@@ -290,7 +345,7 @@ class Trainer:
 
     def _forward(self, inputs):
         try:
-            return self.model(inputs)
+            return self.forward_model(inputs)
         except RuntimeError as error:
             # DDP notices parameters that got no gradient in the previous step only now, and
             # its message is long; say which knob fixes it.
@@ -336,6 +391,7 @@ class Trainer:
         model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss sum, correct, count
         for inputs, targets in self.val_loader:
+            self.watchdog.beat("evaluation")
             inputs = inputs.to(self.ctx.device, non_blocking=True)
             targets = targets.to(self.ctx.device, non_blocking=True)
             with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
@@ -364,6 +420,19 @@ def run(cfg, ctx):
     except Preempted as stop:
         report("stopped by %s at step %d; checkpoint saved, run the same command to resume", stop, trainer.step)
         return 128 + stop.signum
+    except RuntimeError as error:  # gloo and NCCL report a collective timeout as a RuntimeError
+        if trainer is None or "timed out" not in str(error).lower():
+            raise
+        log.error(
+            "a collective timed out after --timeout_seconds %d during %s: another rank stalled or died "
+            "(see the ranks' stacks above)",
+            cfg.timeout_seconds, trainer.watchdog.phase,
+        )  # fmt: skip
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.watchdog.close()
+            trainer.reporter.close()
     return 0
 
 

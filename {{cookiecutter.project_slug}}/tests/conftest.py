@@ -30,7 +30,10 @@ def training_command(output_dir, *args, nproc=1, probe=None, torchrun_args=()):
 
 
 def training_env(env=None):
-    return {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    # scripts/launch.sh runs `torchrun`: take it from this interpreter's environment even when
+    # that environment is not activated (`.venv/bin/python -m pytest`).
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path, **(env or {})}
 
 
 def run_training(output_dir, *args, nproc=1, probe=None, timeout=180, env=None, check=True, torchrun_args=()):

@@ -145,10 +145,38 @@ def crash_in_third_save():
     torch.save = save
 
 
+def stall_rank1():
+    """Rank 1 alone stops making progress (60 s) in its 3rd micro-step, as a stuck data read would."""
+    original = train.Trainer._run_batch
+    calls = []
+
+    def run_batch(self, *args, **kwargs):
+        calls.append(1)
+        if RANK == 1 and len(calls) == 3:
+            time.sleep(60)
+        return original(self, *args, **kwargs)
+
+    train.Trainer._run_batch = run_batch
+
+
+def count_compressed_bytes():
+    """Sum the bytes that gradient-compression hooks hand to all-reduce (bf16/fp16 tensors)."""
+    original = torch.distributed.all_reduce
+    sent = []
+
+    def all_reduce(tensor, *args, **kwargs):
+        if tensor.dtype in (torch.bfloat16, torch.float16):
+            sent.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    torch.distributed.all_reduce = all_reduce
+    return lambda: probe_print(compressed_bytes=sum(sent))
+
+
 PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip)
-    + (slow, crash_in_third_save)
+    + (slow, crash_in_third_save, stall_rank1, count_compressed_bytes)
 }
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Real runs of train.py: 2 processes under torchrun (gloo on CPU), and plain `python train.py`."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
-from conftest import load_final_model, read_metrics, run_training
+from conftest import PROJECT, load_final_model, read_metrics, run_training
+
+from config import Config
 
 REQUIRED_METRICS = {"epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_samples", "samples_per_s"}
 
@@ -67,3 +70,22 @@ def test_amp_modes_train(tmp_path):
         run_training(tmp_path / amp, "--epochs", "1", "--amp", amp)
         loss = read_metrics(tmp_path / amp)[0]["val_loss"]
         assert loss == loss and loss < 2.0  # finite and learning
+
+
+def test_second_dataset_through_config(tmp_path):
+    """The README's worked example: another dataset class, chosen with --dataset."""
+    run_training(tmp_path, "--dataset", "blobs", "--epochs", "1", nproc=2)
+    assert read_metrics(tmp_path)[0]["val_accuracy"] > 0.9
+
+
+def test_readme_config_table_matches_config():
+    """Every Config field is in the README table with its default and help text, and nothing else."""
+    rows = [line.split(" | ") for line in (PROJECT / "README.md").read_text().splitlines() if line.startswith("| `")]
+    table = {cells[0].strip("| `"): (cells[1].strip("`"), cells[2].rstrip(" |")) for cells in rows if len(cells) == 3}
+    expected = {}
+    for field in dataclasses.fields(Config):
+        default = str(field.default).lower() if isinstance(field.default, bool) else str(field.default)
+        choices = field.metadata["choices"]
+        meaning = field.metadata["help"] + (f"; one of: {', '.join(choices)}" if choices else "")
+        expected[field.name] = (default, meaning)
+    assert table == expected

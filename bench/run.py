@@ -1,0 +1,148 @@
+"""Benchmark the generated train.py against the floor (bench/minimal_ddp.py) and, where
+installed, PyTorch Lightning; 2 CPU processes with gloo, alternating A B A B ... per round.
+
+    bash dev/bench.sh                 # 5 rounds, MLP 256->1024->1024->10, 16384 samples, 2 epochs
+    bash dev/bench.sh --tiny          # one quick round, to keep the script working (CI)
+
+Reports medians over rounds and the median of per-round ratios (candidate / floor) of:
+training-loop throughput, rank 0's CPU seconds per sample in the loop, whole-process wall
+time (start-up, evaluation and checkpoints included), time from launch to the first step,
+and peak RSS of one rank. A benchmark, not a test: it asserts nothing.
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from cookiecutter.main import cookiecutter
+
+BENCH = Path(__file__).resolve().parent
+TEMPLATE = BENCH.parent
+
+
+def run_job(command, cwd, first_step_marker):
+    """Run one torchrun job; time to the first step from the marker line's arrival."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launched = time.perf_counter()
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first_step, lines = None, []
+    for line in process.stdout:
+        lines.append(line)
+        if first_step is None and first_step_marker in line:
+            first_step = time.perf_counter() - launched
+    if process.wait() != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{''.join(lines[-30:])}")
+    wall = time.perf_counter() - launched
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # ru_maxrss of children: the largest descendant so far, i.e. one rank (the runs are alike).
+    return {"wall_s": wall, "first_step_s": first_step, "peak_rss_mb": after.ru_maxrss / 1024, "lines": lines}
+
+
+def torchrun(nproc):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def run_generated(project, args, output_dir):
+    flags = ["--train_samples", args.samples, "--input_dim", 256, "--hidden_dim", 1024, "--num_classes", 10,
+             "--batch_size", 64, "--epochs", args.epochs, "--amp", "none", "--lr", 1e-3,
+             "--output_dir", output_dir, "--resume", "none", "--progress_bar", "false"]  # fmt: skip
+    # Its defaults stay on: evaluation and a checkpoint every epoch, clipping, the LR schedule,
+    # logging every 50 steps.
+    result = run_job([*torchrun(2), "train.py", *map(str, flags)], project, "INFO training ")
+    metrics = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    samples_per_epoch = args.samples // (64 * 2) * 64 * 2
+    loop_s = sum(samples_per_epoch / m["samples_per_s"] for m in metrics)
+    cpu_s = sum(m["cpu_s"] for m in metrics)
+    return {**result, "samples_per_s": samples_per_epoch * len(metrics) / loop_s,
+            "cpu_us_per_sample": 1e6 * cpu_s / (samples_per_epoch * len(metrics) / 2)}  # fmt: skip
+
+
+def run_floor(project, args, script="minimal_ddp.py", *script_args):
+    flags = ["--train_samples", args.samples, "--epochs", args.epochs]
+    command = [*torchrun(2), str(BENCH / script), *script_args, *map(str, flags)]
+    result = run_job(command, project, "BENCH first step")
+    (report,) = [json.loads(line[6:]) for line in result["lines"] if line.startswith("BENCH {")]
+    return {**result, "samples_per_s": report["samples"] / report["loop_s"],
+            "cpu_us_per_sample": 1e6 * report["cpu_s"] / (report["samples"] / 2)}  # fmt: skip
+
+
+def cpu_model():
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+METRICS = [
+    ("samples_per_s", "loop throughput (samples/s)", "higher"),
+    ("cpu_us_per_sample", "rank-0 CPU per sample in the loop (µs)", "lower"),
+    ("wall_s", "whole process (s)", "lower"),
+    ("first_step_s", "launch to first step (s)", "lower"),
+    ("peak_rss_mb", "peak RSS of a rank (MB)", "lower"),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=16384)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="one round on 1024 samples, to check the script works")
+    parser.add_argument("--markdown", type=Path, help="also write the report to this file")
+    args = parser.parse_args()
+    if args.tiny:
+        args.rounds, args.samples, args.epochs = 1, 1024, 1
+
+    work = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
+    project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work)))
+    candidates = {"generated train.py": lambda r: run_generated(project, args, work / f"run{r}")}
+    if importlib.util.find_spec("lightning"):  # not a dependency: compared where installed
+        candidates["Lightning Fabric"] = lambda r: run_floor(project, args, "lightning_job.py", "fabric")
+        candidates["Lightning Trainer (defaults)"] = lambda r: run_floor(project, args, "lightning_job.py", "trainer")
+    results = {"minimal DDP loop (floor)": []} | {name: [] for name in candidates}
+    for round_ in range(args.rounds):  # A B A B: drift on a shared machine hits both alike
+        results["minimal DDP loop (floor)"].append(run_floor(project, args))
+        for name, run in candidates.items():
+            results[name].append(run(round_))
+        print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+
+    floor = results["minimal DDP loop (floor)"]
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}"
+    software = f"Python {platform.python_version()}, torch {torch.__version__}"
+    job = f"MLP 256->1024->1024->10, {args.samples} samples, batch 64 per rank, 2 ranks (gloo, OMP_NUM_THREADS=1)"
+    lines = [
+        f"Machine: {machine}; {software}; {datetime.date.today()}",
+        f"Job: {job}, {args.epochs} epochs, AdamW; {args.rounds} rounds, alternating A B A B.",
+        "",
+        "| metric | " + " | ".join(results) + " |",
+        "| --- |" + " --- |" * len(results),
+    ]
+    for key, label, _ in METRICS:
+        cells = []
+        for name, runs in results.items():
+            median = statistics.median(run[key] for run in runs)
+            if runs is floor:
+                cells.append(f"{median:.4g}")
+            else:
+                ratio = statistics.median(run[key] / base[key] for run, base in zip(runs, floor))
+                cells.append(f"{median:.4g} ({ratio:.3f}x)")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.markdown:
+        args.markdown.write_text(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""A generated project keeps up with the template through cruft, and the hooks stay harmless."""
+
+import importlib.util
+import json
+import os
+import shutil
+
+from conftest import TEMPLATE, run
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.com"}  # fmt: skip
+
+
+def git(cwd, *args):
+    result = run(["git", *args], cwd=cwd, env_override={**os.environ, **GIT_ENV})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def commit_all(cwd, message):
+    git(cwd, "add", "-A")
+    git(cwd, "commit", "-q", "-m", message)
+
+
+def test_cruft_update_applies_a_template_change(tmp_path):
+    template = tmp_path / "template"
+    shutil.copytree(TEMPLATE, template, ignore=shutil.ignore_patterns(".venv", "demo", ".git", "__pycache__"))
+    git(template, "init", "-q")
+    commit_all(template, "template v1")
+
+    created = run(["cruft", "create", "--no-input", str(template), "--output-dir", str(tmp_path / "projects")],
+                  cwd=tmp_path)  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    project = tmp_path / "projects" / "ddp_training"
+    assert json.loads((project / ".cruft.json").read_text())["template"] == str(template)
+    git(project, "init", "-q")
+    commit_all(project, "generated")
+
+    readme = template / "{{cookiecutter.project_slug}}" / "README.md"
+    readme.write_text(readme.read_text() + "\n## Added by a later template version\n")
+    commit_all(template, "template v2")
+
+    updated = run(["cruft", "update", "--skip-apply-ask"], cwd=project)
+    assert updated.returncode == 0, updated.stdout + updated.stderr
+    assert (project / "README.md").read_text().endswith("## Added by a later template version\n")
+    assert json.loads((project / ".cruft.json").read_text())["commit"] == git(template, "rev-parse", "HEAD").strip()
+    assert (project / "scripts" / "slurm.sbatch").exists()  # the hooks re-ran without harm
+
+
+def load_hook(name):
+    spec = importlib.util.spec_from_file_location(name, TEMPLATE / "hooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_post_gen_hook_only_removes_listed_files_and_is_idempotent(tmp_path):
+    hook = load_hook("post_gen_project")
+    (tmp_path / "scripts").mkdir()
+    for name in ("scripts/slurm.sbatch", "scripts/launch.sh", "train.py"):
+        (tmp_path / name).write_text("x")
+    hook.remove_unwanted(tmp_path, {"slurm": "no"})
+    hook.remove_unwanted(tmp_path, {"slurm": "no"})  # again, as cruft does on every update
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == [
+        "scripts/launch.sh",
+        "train.py",
+    ]
+    hook.remove_unwanted(tmp_path, {"slurm": "yes"})
+    assert (tmp_path / "train.py").exists()

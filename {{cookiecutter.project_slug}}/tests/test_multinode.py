@@ -1,0 +1,225 @@
+"""Several nodes: scripts/launch.sh once per node trains exactly like one node with all the processes.
+
+Two launches with NNODES=2 x NPROC_PER_NODE=1 end with parameters bit-identical to one torchrun
+with 2 processes: on this machine over loopback, and on two "hosts" (network namespaces joined
+by a veth pair, tests/netns.py) with the static and the elastic (c10d) rendezvous.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import netns
+import pytest
+import torch
+from conftest import PROJECT, TINY, load_final_model, read_metrics, run_training, training_env
+
+pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
+
+ARGS = ["--amp", "none"]
+LAUNCH = str(PROJECT / "scripts" / "launch.sh")
+TIMEOUT = 150  # seconds for a whole multi-node run; a hang fails the test instead of blocking CI
+PORT = 29400  # inside fresh namespaces every port is free
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One node, 2 processes: what every multi-node run must reproduce bit for bit."""
+    output_dir = tmp_path_factory.mktemp("reference")
+    run_training(output_dir, *ARGS, nproc=2)
+    return output_dir
+
+
+def launch_env(**variables):
+    """launch.sh's settings (nothing inherited from the caller), torchrun from this interpreter."""
+    settings = {"MASTER_ADDR": "", "MASTER_PORT": "29500", "RDZV_ENDPOINT": "", "NODE_RANK": "0"}
+    settings |= {"MAX_RESTARTS": "0", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return training_env({**settings, **{name: str(value) for name, value in variables.items()}})
+
+
+def launch_command(output_dir):
+    return [LAUNCH, *TINY, *ARGS, "--output_dir", str(output_dir)]
+
+
+def run_nodes(start, envs, output_dir, logs_dir):
+    """Start launch.sh once per node env with `start(node, command, env, log)`; wait for all to succeed.
+
+    Every node writes to the same `output_dir` (only global rank 0 writes). Fails, after killing
+    the rest, as soon as one node fails or when TIMEOUT passes; returns the nodes' output.
+    """
+    logs = [Path(logs_dir) / f"node{node}.log" for node in range(len(envs))]
+    processes = []
+    try:
+        for node, env in enumerate(envs):
+            with open(logs[node], "w") as log:
+                processes.append(start(node, launch_command(output_dir), env, log))
+        deadline = time.monotonic() + TIMEOUT
+        while any(p.poll() is None for p in processes):
+            failed = [p for p in processes if p.poll() not in (None, 0)]
+            assert not failed and time.monotonic() < deadline, describe(processes, logs)
+            time.sleep(0.2)
+        assert all(p.returncode == 0 for p in processes), describe(processes, logs)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)  # the node's torchrun and its workers
+                process.wait()
+    return [log.read_text() for log in logs]
+
+
+def describe(processes, logs):
+    states = ["running" if p.poll() is None else f"exit {p.returncode}" for p in processes]
+    parts = [f"--- node {node} ({state}):\n{log.read_text()}" for node, (state, log) in enumerate(zip(states, logs))]
+    return "\n".join(parts)
+
+
+def assert_same_as(reference, output_dir):
+    ours, theirs = load_final_model(output_dir), load_final_model(reference)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from one node"
+    assert [m["epoch"] for m in read_metrics(output_dir)] == [m["epoch"] for m in read_metrics(reference)]
+
+
+def start_here(node, command, env, log):
+    return subprocess.Popen(command, cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_launches_on_this_machine_equal_one_node(reference, tmp_path):
+    port = free_port()
+    common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    envs = [launch_env(**common, NODE_RANK=rank) for rank in (0, 1)]
+    output = run_nodes(start_here, envs, tmp_path / "run", tmp_path)
+    assert f"static rendezvous at 127.0.0.1:{port}, node 1" in output[1]
+    assert_same_as(reference, tmp_path / "run")
+
+
+# --- two hosts: network namespaces -------------------------------------------------------
+
+
+@pytest.fixture
+def hosts():
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(f"two hosts need network namespaces: {reason}")
+    two_hosts = netns.TwoHosts()
+    try:
+        two_hosts.setup()
+    except netns.NetnsUnavailable as error:
+        pytest.skip(f"cannot create network namespaces here: {error}")
+    try:
+        yield two_hosts
+    finally:
+        two_hosts.teardown()
+
+
+def start_on(hosts):
+    def start(node, command, env, log):
+        return hosts.popen(node, command, env=env, cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT)
+
+    return start
+
+
+def test_the_hosts_have_their_own_name_and_address_and_are_removed_afterwards(tmp_path):
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(f"two hosts need network namespaces: {reason}")
+    try:
+        with netns.TwoHosts(own_hostname_address={1: "127.0.1.1"}) as hosts:
+            names = [hosts.run(host, ["sh", "-c", "hostname; getent hosts node0 node1"]).stdout for host in (0, 1)]
+            addresses = [hosts.run(host, ["ip", "-o", "addr", "show"]).stdout for host in (0, 1)]
+            sleeper = hosts.popen(1, ["sleep", "600"])
+    except netns.NetnsUnavailable as error:
+        pytest.skip(f"cannot create network namespaces here: {error}")
+    names = [[" ".join(line.split()) for line in output.splitlines()] for output in names]
+    assert names[0] == ["node0", "10.213.7.1 node0", "10.213.7.2 node1"]
+    assert names[1] == ["node1", "10.213.7.1 node0", "127.0.1.1 node1"]  # its own name: loopback
+    addresses = [{tuple(line.split()[1:4:2]) for line in output.splitlines()} for output in addresses]
+    assert addresses[0] == {("lo", "127.0.0.1/8"), ("lo", "::1/128"), ("ddp0", "10.213.7.1/24")}
+    assert addresses[1] == {("lo", "127.0.0.1/8"), ("lo", "::1/128"), ("ddp0", "10.213.7.2/24")}
+    assert sleeper.poll() == -signal.SIGKILL
+    for namespace in hosts.namespaces:
+        assert not (netns.NETNS_RUN / namespace).exists() and not (netns.NETNS_ETC / namespace).exists()
+
+
+def test_static_rendezvous_across_two_hosts_equals_one_node(reference, hosts, tmp_path):
+    """MASTER_ADDR is node 0's link address; gloo finds the link from each node's hostname."""
+    common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": PORT}
+    envs = [launch_env(**common, NODE_RANK=rank) for rank in (0, 1)]
+    output = run_nodes(start_on(hosts), envs, tmp_path / "run", tmp_path)
+    assert f"static rendezvous at {hosts.addresses[0]}:{PORT}, node 1" in output[1]
+    assert_same_as(reference, tmp_path / "run")
+
+
+def test_elastic_rendezvous_across_two_hosts_equals_one_node(reference, hosts, tmp_path):
+    """c10d rendezvous on node 0 with NNODES=MIN:MAX; GLOO_SOCKET_IFNAME names the same link on both."""
+    endpoint = f"{hosts.addresses[0]}:{PORT}"
+    env = launch_env(NNODES="2:2", NPROC_PER_NODE=1, RDZV_ENDPOINT=endpoint, RDZV_ID=f"test{os.getpid()}")
+    env["GLOO_SOCKET_IFNAME"] = hosts.ifname
+    output = run_nodes(start_on(hosts), [env, env], tmp_path / "run", tmp_path)
+    assert f"c10d rendezvous at {endpoint}" in output[1]
+    assert_same_as(reference, tmp_path / "run")
+
+
+# --- the preflight across two hosts -------------------------------------------------------
+
+
+def preflight_envs(hosts, **extra):
+    common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": PORT}
+    return [launch_env(**common, NODE_RANK=rank, PREFLIGHT_MAX_MB=16, **extra) for rank in (0, 1)]
+
+
+def start_preflight(hosts, envs, logs_dir):
+    Path(logs_dir).mkdir(exist_ok=True)
+    logs = [Path(logs_dir) / f"preflight{node}.log" for node in (0, 1)]
+    processes = []
+    for node, env in enumerate(envs):
+        with open(logs[node], "w") as log:
+            command = [LAUNCH, "--preflight", "--hidden_dim", "64"]
+            processes.append(hosts.popen(node, command, env=env, cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT))
+    return processes, logs
+
+
+def test_preflight_across_two_hosts_measures_and_gives_a_verdict(hosts, tmp_path):
+    processes, logs = start_preflight(hosts, preflight_envs(hosts), tmp_path)
+    assert [p.wait(timeout=TIMEOUT) for p in processes] == [0, 0], describe(processes, logs)
+    output = logs[0].read_text()
+    assert "all-reduce of 2 ranks correct" in output
+    assert "   16 MB" in output and "GB/s" in output
+    assert "verdict: per optimizer step: compute" in output
+    assert "node1 resolves to 10.213.7.2; reaches MASTER_ADDR 10.213.7.1 via 10.213.7.2 on ddp0" in logs[1].read_text()
+
+
+def test_preflight_catches_a_hostname_that_gloo_would_hang_on(tmp_path):
+    """Each host's name resolves to 127.0.1.1, not to its link: training would hang in gloo's
+    first connection. The preflight says so, names the interface, and fails fast."""
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(f"two hosts need network namespaces: {reason}")
+    try:
+        with netns.TwoHosts(own_hostname_address={0: "127.0.1.1", 1: "127.0.1.1"}) as hosts:
+            started = time.monotonic()
+            processes, logs = start_preflight(hosts, preflight_envs(hosts), tmp_path / "as_is")
+            codes = [p.wait(timeout=TIMEOUT) for p in processes]
+            elapsed = time.monotonic() - started
+            pinned, pinned_logs = start_preflight(
+                hosts, preflight_envs(hosts, GLOO_SOCKET_IFNAME="ddp0"), tmp_path / "fixed"
+            )
+            pinned_codes = [p.wait(timeout=TIMEOUT) for p in pinned]
+    except netns.NetnsUnavailable as error:
+        pytest.skip(f"cannot create network namespaces here: {error}")
+    assert codes == [1, 1] and elapsed < 60, describe(processes, logs)
+    for node, log in enumerate(logs):
+        text = log.read_text()
+        assert f"PROBLEM: hostname 'node{node}' resolves to 127.0.1.1" in text
+        assert "Set GLOO_SOCKET_IFNAME=ddp0 NCCL_SOCKET_IFNAME=ddp0 on this node" in text
+    assert pinned_codes == [0, 0], describe(pinned, pinned_logs)  # the suggested fix works

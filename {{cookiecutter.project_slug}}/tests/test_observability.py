@@ -1,0 +1,149 @@
+"""What a run shows: progress bar (rank 0, TTY only), TensorBoard, MFU, and the speed knobs."""
+
+import fcntl
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import PROJECT, TINY, probe_output, read_metrics, run_training, training_env
+
+import metrics
+from config import Config
+from dataset import SyntheticClassification, build_loaders, start_epoch
+from model import build_model
+
+pytestmark = pytest.mark.fixed_amp
+
+
+def test_flops_per_sample_counts_every_weight_three_times_two():
+    model = build_model(Config(input_dim=8, hidden_dim=16, num_classes=4))
+    assert metrics.flops_per_sample(model) == 6 * (8 * 16 + 16 * 16 + 16 * 4)
+
+
+def test_mfu_arithmetic():
+    # 1 GFLOP per sample at 400k samples/s on 8 GPUs of 100 TFLOPS: 50 TFLOPS each, 50%.
+    assert metrics.mfu(1e9, 400_000, 8, 100.0) == pytest.approx(0.5)
+    assert metrics.mfu(1e9, 400_000, 8, 0.0) is None  # unknown device: no estimate
+
+
+def test_peak_tflops_table_and_override():
+    assert metrics.peak_tflops("NVIDIA H200", "bf16") == 989.0
+    assert metrics.peak_tflops("NVIDIA A100-SXM4-80GB", "none") == 156.0
+    assert metrics.peak_tflops("Mystery GPU", "bf16") == 0.0
+    assert metrics.peak_tflops("NVIDIA H200", "bf16", override=500.0) == 500.0
+
+
+def run_on_a_terminal(tmp_path, *args, nproc=2):
+    """Run training with stdout and stderr on a pseudo-terminal, as a person at a shell would."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+    command += [*TINY, "--amp", "none", "--output_dir", str(tmp_path), *args]
+    process = subprocess.Popen(command, cwd=PROJECT, env=training_env(), stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    output = b""
+    while True:
+        ready, _, _ = select.select([controller], [], [], 120)
+        assert ready, "no output for 120 s"
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal closed: every process has exited
+            break
+        if not chunk:
+            break
+        output += chunk
+    assert process.wait(timeout=60) == 0, output.decode(errors="replace")
+    return output.decode(errors="replace")
+
+
+def test_progress_bar_on_a_terminal_only_from_rank_zero(tmp_path):
+    output = run_on_a_terminal(tmp_path / "tty")
+    assert "epoch 1/2: 100%" in output and "16/16" in output
+    assert "epoch 2/2: 100%" in output
+    assert "[rank 1]" not in output
+
+
+def test_no_progress_bar_when_disabled_or_not_a_terminal(tmp_path):
+    assert "100%" not in run_on_a_terminal(tmp_path / "off", "--progress_bar", "false")
+    piped = run_training(tmp_path / "piped", nproc=1)
+    assert "100%" not in piped.stdout + piped.stderr
+
+
+def test_progress_bar_is_never_shown_by_other_ranks(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    cfg = Config(progress_bar=True)
+    assert metrics.Reporter(SimpleNamespace(is_main=True), cfg, tmp_path).progress
+    assert not metrics.Reporter(SimpleNamespace(is_main=False), cfg, tmp_path).progress
+
+
+def test_tensorboard_events_are_written_when_enabled(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_training(tmp_path, "--tensorboard", "true", "--log_every_steps", "4", nproc=2)
+    (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    tags = set(accumulator.Tags()["scalars"])
+    assert {"train_loss", "val_loss", "val_accuracy", "samples_per_s", "train_loss_step"} <= tags
+    assert [event.step for event in accumulator.Scalars("val_loss")] == [16, 32]
+
+
+def test_tensorboard_missing_is_one_clear_error(tmp_path):
+    shadow = tmp_path / "shadow" / "tensorboard"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no tensorboard here')\n")
+    env = {"PYTHONPATH": str(shadow.parent)}
+    result = run_training(tmp_path / "run", "--tensorboard", "true", nproc=2, env=env, check=False)
+    assert result.returncode == 1
+    assert result.stdout.count("--tensorboard true needs the tensorboard package") == 1
+
+
+def test_metrics_split_time_and_report_memory(tmp_path):
+    run_training(tmp_path, "--num_workers", "2", nproc=2)
+    for line in read_metrics(tmp_path):
+        assert line["data_wait_s"] >= 0 and line["compute_s"] > 0 and line["peak_memory_mb"] > 50
+        assert "mfu" not in line  # CPU: no peak to compare with
+
+
+@pytest.mark.parametrize("hook, bytes_per_value", [("bf16", 2), ("fp16", 2)])
+def test_compression_hooks_halve_the_all_reduced_bytes(tmp_path, hook, bytes_per_value):
+    result = run_training(tmp_path, "--comm_hook", hook, "--epochs", "1", nproc=2, probe="count_compressed_bytes")
+    (counted,) = probe_output(result)
+    parameters = sum(p.numel() for p in build_model(Config(hidden_dim=32)).parameters())
+    steps = read_metrics(tmp_path)[-1]["step"]
+    assert counted["compressed_bytes"] == steps * parameters * bytes_per_value  # fp32 would be 4 per value
+    assert read_metrics(tmp_path)[-1]["val_accuracy"] > 0.4
+
+
+def test_powersgd_hook_trains(tmp_path):
+    run_training(tmp_path, "--comm_hook", "powersgd", nproc=2)
+    assert read_metrics(tmp_path)[-1]["val_accuracy"] > 0.4
+
+
+def test_compile_trains_and_matches_eager_closely(tmp_path):
+    run_training(tmp_path / "eager", "--amp", "none", "--epochs", "1")
+    run_training(tmp_path / "compiled", "--amp", "none", "--epochs", "1", "--compile", "true", timeout=300)
+    eager, compiled = read_metrics(tmp_path / "eager")[0], read_metrics(tmp_path / "compiled")[0]
+    assert compiled["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-3)
+
+
+def test_persistent_workers_still_get_fresh_noise_every_epoch():
+    cfg = Config(train_samples=64, batch_size=8, num_workers=2, persistent_workers=True, input_noise_std=1.0)
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    loader, _ = build_loaders(cfg, ctx)
+    assert isinstance(loader.dataset, SyntheticClassification)
+    epochs = []
+    for epoch in (0, 1, 0):
+        start_epoch(loader, epoch, rank=0, seed=cfg.seed)
+        order = list(loader.sampler)
+        inputs = torch.cat([batch for batch, _ in loader])
+        epochs.append(inputs[torch.argsort(torch.tensor(order))])  # by sample index
+    assert not torch.allclose(epochs[0], epochs[1])
+    assert torch.equal(epochs[0], epochs[2])  # the same epoch: the same noise
