@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,12 +40,13 @@ def run_job(command, cwd, first_step_marker):
         lines.append(line)
         if first_step is None and first_step_marker in line:
             first_step = time.perf_counter() - launched
-    if process.wait() != 0:
+    # wait4 gives this job's own usage: ru_maxrss is the largest process of its tree (a rank).
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{''.join(lines[-30:])}")
     wall = time.perf_counter() - launched
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    # ru_maxrss of children: the largest descendant so far, i.e. one rank (the runs are alike).
-    return {"wall_s": wall, "first_step_s": first_step, "peak_rss_mb": after.ru_maxrss / 1024, "lines": lines}
+    return {"wall_s": wall, "first_step_s": first_step, "peak_rss_mb": usage.ru_maxrss / 1024, "lines": lines}
 
 
 def torchrun(nproc):
@@ -122,8 +122,8 @@ def main():
     software = f"Python {platform.python_version()}, torch {torch.__version__}"
     job = f"MLP 256->1024->1024->10, {args.samples} samples, batch 64 per rank, 2 ranks (gloo, OMP_NUM_THREADS=1)"
     lines = [
-        f"Machine: {machine}; {software}; {datetime.date.today()}",
-        f"Job: {job}, {args.epochs} epochs, AdamW; {args.rounds} rounds, alternating A B A B.",
+        f"- Machine: {machine}; {software}; {datetime.date.today()}",
+        f"- Job: {job}, {args.epochs} epochs, AdamW; {args.rounds} rounds, alternating A B A B.",
         "",
         "| metric | " + " | ".join(results) + " |",
         "| --- |" + " --- |" * len(results),

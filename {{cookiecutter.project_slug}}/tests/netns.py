@@ -65,7 +65,8 @@ def _ip(*args, check=True):
     return result
 
 
-def _pid_alive(pid):
+def pid_alive(pid):
+    """Whether process `pid` exists (also when it belongs to another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -104,7 +105,7 @@ def remove_stale_namespaces():
     names |= {p.name for p in NETNS_ETC.iterdir()} if NETNS_ETC.is_dir() else set()
     for name in sorted(names):
         match = _NAME.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             _delete_namespace(name)
 
 

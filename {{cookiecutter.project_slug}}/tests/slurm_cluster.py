@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
+from netns import pid_alive
 
 SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")  # the daemons live in sbin, not always on PATH
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo")
@@ -91,16 +92,6 @@ def _free_ports(count):
             s.close()
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _cmdline(pid):
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -155,7 +146,7 @@ def remove_stale_clusters():
                 continue  # being set up right now, by another session
         except OSError:
             continue
-        if record is not None and _alive(record["owner"]):
+        if record is not None and pid_alive(record["owner"]):
             continue
         for pgid in reversed((record or {}).get("daemons", [])):
             _kill_group(pgid, str(folder), grace=5.0)
