@@ -135,9 +135,11 @@ def build_loaders(cfg, ctx):
         persistent_workers=cfg.num_workers > 0 and cfg.persistent_workers,
         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
     )
-    # Each epoch, `start_epoch` seeds this generator from (seed, rank, epoch); from it torch
-    # seeds every worker's torch, random and numpy generators with a distinct value per worker
-    # id. Augmentations then differ across ranks, workers and epochs, and repeat run to run.
+    # `start_epoch` seeds this generator from (seed, rank, epoch); from it torch seeds every
+    # worker's torch, random and numpy generators with a distinct value per worker id (once
+    # per epoch, or once per run with persistent workers). Augmentations then differ across
+    # ranks and workers and repeat run to run; for exact mid-epoch resume, derive them from
+    # (seed, epoch, index) like the built-in noise.
     train_loader = DataLoader(train_set, sampler=sampler, generator=torch.Generator(), **common)
     # Evaluation: every sample exactly once across ranks (ranks may get one sample more or
     # less than others; metrics are reduced as sums and counts, so that is exact).

@@ -53,12 +53,14 @@ def setup_distributed(timeout_seconds=600):
     if torch.cuda.is_available():
         # Set the device before init so NCCL binds this process to its own GPU; the global
         # rank is no device index on any node but the first.
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        # (modulo: a scheduler may show each process only its own GPU)
+        gpu = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(gpu)
+        device, backend = torch.device("cuda", gpu), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     timeout = timedelta(seconds=timeout_seconds)
-    # NCCL: a collective past the timeout raises instead of hanging forever.
+    # NCCL: a collective past the timeout ends the process instead of hanging forever.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if world_size > 1 or "RANK" in os.environ:
         # torchrun's agent keeps one key-value store across restarts; keys left by a killed
@@ -82,7 +84,8 @@ def process_env():
     if "RANK" in os.environ:
         names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
         return {name: int(os.environ[name]) for name in names}
-    if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in os.environ:
+    # SLURM_STEP_NUM_TASKS: the tasks of this srun step (not of the whole allocation).
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1 and "SLURM_PROCID" in os.environ:
         if "MASTER_ADDR" not in os.environ:
             command = ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]]
             hostnames = subprocess.run(command, capture_output=True, text=True, check=True).stdout.split()
@@ -91,7 +94,7 @@ def process_env():
         return {
             "RANK": int(os.environ["SLURM_PROCID"]),
             "LOCAL_RANK": int(os.environ["SLURM_LOCALID"]),
-            "WORLD_SIZE": int(os.environ["SLURM_NTASKS"]),
+            "WORLD_SIZE": int(os.environ["SLURM_STEP_NUM_TASKS"]),
         }
     return {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1}
 
@@ -141,8 +144,8 @@ def setup_logging(ctx, output_dir):
     log.setLevel(logging.INFO if ctx.is_main else logging.WARNING)
     formatter = logging.Formatter(f"%(asctime)s [rank {ctx.rank}] %(levelname)s %(message)s", "%H:%M:%S")
     handlers = [logging.StreamHandler(sys.stdout)]
+    Path(output_dir).mkdir(parents=True, exist_ok=True)  # on every rank: a failure stops them all alike
     if ctx.is_main:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(Path(output_dir) / "train.log"))
     for handler in handlers:
         handler.setFormatter(formatter)
@@ -180,7 +183,9 @@ class Watchdog:
     within `seconds`; if not, it logs which phase this rank has been stuck in and writes every
     thread's Python stack to stderr (faulthandler), once per stall. Each rank does this, so the
     output shows which ranks were waiting where: the one stuck in its own code, and the others
-    waiting for it inside a collective. A stop signal during a stall ends the process at once.
+    waiting for it inside a collective. A stop signal during a stall in Python code (a stuck
+    data read, a sleep) ends the process at once; a rank blocked inside a collective sees the
+    signal only when the collective returns or times out.
     """
 
     def __init__(self, seconds, rank, stop):
@@ -249,7 +254,7 @@ def _write_checkpoint(state, checkpoint_dir, step, keep):
             for old in sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]:
                 old.unlink()
         _fsync_dir(checkpoint_dir)
-    except OSError as error:
+    except Exception as error:  # OSError, or torch.save's RuntimeError when the disk fills mid-write
         log.error("could not write checkpoint to %s: %s", checkpoint_dir, error)
         return f"could not write checkpoint to {checkpoint_dir}: {error}"
     return None

@@ -73,10 +73,12 @@ class Reporter:
         self.bar = None
         # A bar only for a person watching: not in CI logs, files or other ranks' output.
         self.progress = cfg.progress_bar and ctx.is_main and sys.stdout.isatty()
-        if cfg.tensorboard and ctx.is_main:
+        if cfg.tensorboard:
+            # Imported on every rank, so a missing package stops all of them alike.
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-            self.tensorboard = SummaryWriter(output_dir / "tensorboard")
+            if ctx.is_main:
+                self.tensorboard = SummaryWriter(output_dir / "tensorboard")
 
     @rank_zero_only
     def epoch_metrics(self, metrics):
@@ -97,8 +99,14 @@ class Reporter:
     def truncate(self, step):
         """On resume, drop lines logged after the checkpoint: they are about to be redone."""
         if self.metrics_path.exists():
-            lines = self.metrics_path.read_text().splitlines(keepends=True)
-            self.metrics_path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
+            kept = []
+            for line in self.metrics_path.read_text().splitlines(keepends=True):
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line)
+                except (ValueError, KeyError):  # a line cut short by a crash: drop it
+                    pass
+            self.metrics_path.write_text("".join(kept))
 
     @rank_zero_only
     def start_epoch(self, epoch, epochs, steps, done):

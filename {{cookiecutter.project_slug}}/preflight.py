@@ -45,7 +45,7 @@ def say(rank, message):
 def check_place(env):
     """Rank and world size as the launcher set them."""
     rank, local_rank, world_size = env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local_world_size = processes_per_node()
     if not 0 <= rank < world_size:
         raise PreflightError(f"RANK {rank} is outside WORLD_SIZE {world_size}")
     if not 0 <= local_rank < local_world_size:
@@ -55,8 +55,14 @@ def check_place(env):
     return f"rank {rank} of {world_size}, local rank {local_rank} of {local_world_size} on {socket.gethostname()}"
 
 
+def processes_per_node():
+    """torchrun's LOCAL_WORLD_SIZE, or under srun the tasks on this node."""
+    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_TASKS_PER_NODE", "1")
+    return int(value.split("(")[0].split(",")[0])  # SLURM may write "2(x3)" or "2,1"
+
+
 def check_gpus(env):
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local_world_size = processes_per_node()
     if not torch.cuda.is_available():
         return "no GPU visible: training will use gloo on CPU"
     count = torch.cuda.device_count()

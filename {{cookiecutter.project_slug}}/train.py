@@ -104,17 +104,23 @@ def rng_state():
     state = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": np.random.get_state()[1].tolist(),  # MT19937 key; positions are reset on load
+        "numpy": numpy_state(),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
+def numpy_state():
+    _, key, position, has_gauss, cached_gaussian = np.random.get_state()
+    return [key.tolist(), int(position), int(has_gauss), float(cached_gaussian)]  # plain data for weights_only
+
+
 def set_rng_state(state):
     torch.set_rng_state(state["torch"].cpu())
     random.setstate(state["python"])
-    np.random.set_state(("MT19937", np.array(state["numpy"], dtype=np.uint32), 624, 0, 0.0))
+    key, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state(("MT19937", np.array(key, dtype=np.uint32), position, has_gauss, cached_gaussian))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"].cpu())
 
@@ -182,7 +188,7 @@ class Trainer:
     # --- resume ---------------------------------------------------------------------------
 
     def resume(self):
-        cfg = self.cfg
+        cfg, ctx = self.cfg, self.ctx
         if cfg.resume == "none":
             if checkpoint_candidates(self.checkpoint_dir):
                 raise TrainingError(
@@ -190,14 +196,34 @@ class Trainer:
                     "pass --resume auto to continue it, or another --output_dir to start fresh"
                 )
             return
-        if cfg.resume == "auto":
-            state, path = load_latest_checkpoint(self.checkpoint_dir, self.ctx.device)
-            if state is None:
-                return
-        else:
-            path = Path(cfg.resume)
-            state = load_checkpoint(path, self.ctx.device)
-        self.load_state(state, path)
+        # Rank 0 chooses the file and every rank loads that one: ranks choosing on their own
+        # could pick different files after a transient read error and silently diverge.
+        path, error, state = self._choose_checkpoint() if ctx.is_main else (None, None, None)
+        choice = [(path, error)]
+        dist.broadcast_object_list(choice, src=0)
+        path, error = choice[0]
+        if error:
+            raise CheckpointError(error)
+        if path is None:
+            return
+        if state is None:
+            try:
+                state = load_checkpoint(Path(path), ctx.device)
+            except CheckpointError as failure:
+                error = str(failure)
+        if any_rank(error is not None, device=ctx.device)[0]:
+            raise CheckpointError(error or f"checkpoint {path} is unreadable on another rank")
+        self.load_state(state, Path(path))
+
+    def _choose_checkpoint(self):
+        """(path or None, error or None, state or None), decided by rank 0 alone."""
+        try:
+            if self.cfg.resume == "auto":
+                state, path = load_latest_checkpoint(self.checkpoint_dir, self.ctx.device)
+                return (str(path) if path else None), None, state
+            return self.cfg.resume, None, load_checkpoint(Path(self.cfg.resume), self.ctx.device)
+        except CheckpointError as error:
+            return None, str(error), None
 
     def load_state(self, state, path):
         saved = state["config"]
@@ -211,23 +237,26 @@ class Trainer:
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.step, self.batches_done = state["epoch"], state["step"], state["batches_done"]
+        self.epoch, self.step = state["epoch"], state["step"]
+        # The position in the epoch as samples of the one shuffled order, so it converts to
+        # another world size, batch size or accumulation if it falls on a whole global batch.
+        samples_done, world_size = state["samples_done"], self.ctx.world_size
+        global_batch = self.cfg.batch_size * world_size * self.cfg.grad_accum_steps
+        if samples_done % global_batch:
+            raise TrainingError(
+                f"checkpoint {path} stopped {samples_done} samples into epoch {self.epoch + 1}, not a whole "
+                f"number of global batches of {global_batch} (batch_size x processes x grad_accum_steps): resume "
+                "with the sizes it was saved with, or from an epoch-end checkpoint"
+            )
+        self.batches_done = samples_done // (self.cfg.batch_size * world_size)
         ranks = state["ranks"]
-        if len(ranks) == self.ctx.world_size:
+        if len(ranks) == world_size:
             set_rng_state(ranks[self.ctx.rank]["rng"])
             self.loss_totals.copy_(ranks[self.ctx.rank]["loss_totals"])
-        else:
+        elif self.ctx.is_main:
             # Another world size: the data order continues unchanged (it depends on seed and
             # epoch only); per-rank generators restart and rank 0 carries the loss so far.
-            micro_batches = state["batches_done"] * state["world_size"]
-            if micro_batches % self.ctx.world_size:
-                raise TrainingError(
-                    f"checkpoint {path} was saved mid-epoch by {len(ranks)} processes; resume it "
-                    f"with {len(ranks)} processes, or from an epoch-end checkpoint"
-                )
-            self.batches_done = micro_batches // self.ctx.world_size
-            if self.ctx.is_main:
-                self.loss_totals.copy_(sum(rank["loss_totals"] for rank in ranks))
+            self.loss_totals.copy_(sum(rank["loss_totals"] for rank in ranks))
         self.reporter.truncate(self.step)
         report("resumed from %s: epoch %d, step %d", path, self.epoch + 1, self.step)
 
@@ -245,7 +274,8 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
             "step": self.step,  # the learning rate is a pure function of it (lr_at)
-            "batches_done": self.batches_done,
+            "batches_done": self.batches_done,  # micro-batches per rank, for people reading it
+            "samples_done": self.batches_done * self.cfg.batch_size * self.ctx.world_size,  # for resuming
             "world_size": self.ctx.world_size,
             "ranks": ranks,
             "config": self.cfg.to_dict(),
@@ -307,7 +337,7 @@ class Trainer:
             if not last_micro_step:
                 waiting_since = time.perf_counter()
                 continue
-            stop = self._optimizer_step(loss)
+            stop = self._optimizer_step()
             self.batches_done = micro_step + 1
             if stop:  # agreed by all ranks: save where we are and exit
                 self._save_checkpoint()
@@ -357,22 +387,24 @@ class Trainer:
                 "TORCH_DISTRIBUTED_DEBUG=DETAIL to see which parameters"
             ) from None
 
-    def _optimizer_step(self, loss):
+    def _optimizer_step(self):
         """Clip, step and schedule; returns whether all ranks agreed to stop after this step."""
         cfg = self.cfg
+        finite = torch.isfinite(self.loss_totals[0])  # every micro-step's loss so far this epoch
+        if cfg.max_grad_norm > 0:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the loss-scaled ones
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            finite = finite & torch.isfinite(norm)
         # One small all-reduce per optimizer step makes every rank take the same decision:
         # a rank that stopped alone would leave the others waiting in the next all-reduce.
-        stop, non_finite = any_rank(self.stop.requested, ~torch.isfinite(loss), device=self.ctx.device)
+        stop, non_finite = any_rank(self.stop.requested, ~finite, device=self.ctx.device)
         if non_finite and cfg.amp != "fp16":  # fp16: the scaler skips the step and lowers the scale
             raise TrainingError(
-                f"loss is not finite at optimizer step {self.step + 1} (epoch {self.epoch + 1}); "
+                f"loss or gradients are not finite at optimizer step {self.step + 1} (epoch {self.epoch + 1}); "
                 "lower --lr or set --max_grad_norm"
             )
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, cfg, self.total_steps)
-        if cfg.max_grad_norm > 0:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the loss-scaled ones
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

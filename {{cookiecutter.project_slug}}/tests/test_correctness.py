@@ -136,7 +136,9 @@ def test_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
     result = run_training(tmp_path, "--amp", "none", "--timeout_seconds", "30", nproc=2, probe="nan_on_rank1",
                           check=False, timeout=90)  # fmt: skip
     assert result.returncode != 0
-    assert result.stdout.count("loss is not finite at optimizer step 3") == 1, result.stdout + result.stderr
+    assert result.stdout.count("loss or gradients are not finite at optimizer step 3") == 1, (
+        result.stdout + result.stderr
+    )
     assert "Traceback" not in result.stdout
 
 

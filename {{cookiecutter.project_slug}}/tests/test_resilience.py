@@ -234,3 +234,16 @@ def test_resume_none_refuses_to_overwrite_a_run(reference, tmp_path):
     assert result.returncode == 1
     assert "--resume none, but" in result.stdout and "--resume auto" in result.stdout
     assert sorted(p.name for p in (output_dir / "checkpoints").iterdir()) == ["last.pt"]
+
+
+def test_mid_epoch_checkpoint_converts_to_another_world_size_or_refuses(reference, tmp_path):
+    """Step 20 of the 2-process run is 256 samples into epoch 2: 4 batches of 64 for one process
+    (the same data order), but no whole number of global batches of 48."""
+    source = checkpoint(reference.two, 20)
+    run_training(tmp_path / "one", *ARGS, *ONE, "--resume", source)
+    ours, theirs = load_final_model(tmp_path / "one"), load_final_model(reference.one)
+    for key in theirs:
+        assert ((ours[key] - theirs[key]).norm() / theirs[key].norm()).item() < 1e-4, key
+    result = run_training(tmp_path / "odd", *ARGS, "--batch_size", "48", "--resume", source, check=False)
+    assert result.returncode == 1
+    assert "stopped 256 samples into epoch 2, not a whole number of global batches of 48" in result.stdout
