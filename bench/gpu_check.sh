@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# GPU check for one machine with a GPU: a 1-GPU NCCL run of the generated train.py for each amp
-# mode, with and without torch.compile, on a model large enough to be compute-bound. Prints
-# samples/s, MFU, peak memory and the share of step time spent waiting for data, and the bf16
-# speedup over none. Targets: bf16 >= 1.8x none; MFU >= 40% in bf16; data wait < 5%.
+# GPU check for one machine with a GPU, run by hand where one is lent (CI has none). Prints one
+# table per part and exits non-zero if a check fails:
+#   1. throughput: a 1-GPU NCCL run of the generated train.py for each amp mode, with and
+#      without torch.compile, on an MLP large enough to be compute-bound: samples/s, MFU,
+#      peak memory, data-wait share, bf16 speedup over none. Targets: bf16 >= 1.8x none;
+#      MFU >= 40% in bf16; data wait < 5%.
+#   2. one visible GPU that is not device 0: LOCAL_RANK=1 with one GPU trains (on cuda:0).
+#   3. no host sync in steady state: bf16 steps under torch.cuda.set_sync_debug_mode("error").
+#   4. NCCL's flight recorder writes a dump when a collective times out.
+#   5. the preflight's predicted step time is within +-25% of the measured bf16 step.
 #
 #   bash bench/gpu_check.sh                 # renders the template (needs cookiecutter)
 #   bash bench/gpu_check.sh PROJECT_DIR     # an already generated project
@@ -19,14 +25,19 @@ fi
 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: no CUDA GPU visible')"
 runs=$(mktemp -d)
 cd "$project"
+failed=0
+check() {  # check NAME CONDITION_TEXT: prints a row, remembers a failure
+    if [[ $2 == ok* ]]; then echo "| $1 | $2 |"; else echo "| $1 | FAILED: $2 |"; failed=1; fi
+}
+MLP=(--input_dim 1024 --hidden_dim 8192 --num_classes 1024 --batch_size 1024 --train_samples 131072
+    --val_samples 4096 --num_workers 4 --log_every_steps 0 --progress_bar false --resume none)
+
+# --- 1. throughput --------------------------------------------------------------------------
 for compile in false true; do
     for amp in none bf16 fp16; do
         echo "gpu_check.sh: amp=$amp compile=$compile" >&2
-        "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py \
-            --input_dim 1024 --hidden_dim 8192 --num_classes 1024 --batch_size 1024 \
-            --train_samples 131072 --val_samples 4096 --epochs 2 --num_workers 4 \
-            --amp "$amp" --compile "$compile" --log_every_steps 0 --progress_bar false \
-            --resume none --output_dir "$runs/${amp}_${compile}" >"$runs/${amp}_${compile}.log" 2>&1 ||
+        "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${MLP[@]}" --epochs 2 \
+            --amp "$amp" --compile "$compile" --output_dir "$runs/${amp}_${compile}" >"$runs/${amp}_${compile}.log" 2>&1 ||
             { tail -n 30 "$runs/${amp}_${compile}.log" >&2; exit 1; }
     done
 done
@@ -48,3 +59,93 @@ for (amp, compile_), (speed, mfu, memory, wait) in rows.items():
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
     print(f"| {amp} | {compile_} | {speed:.0f} | {mfu_text} | {memory:.0f} | {100 * wait:.1f}% | {speedup:.2f}x |")
 PY
+
+echo
+echo "| check | result |"
+echo "| --- | --- |"
+
+# --- 2. a process whose only GPU is not device 0 ----------------------------------------------
+visible=${CUDA_VISIBLE_DEVICES:-0}
+if CUDA_VISIBLE_DEVICES=${visible%%,*} RANK=0 LOCAL_RANK=1 WORLD_SIZE=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
+    MASTER_PORT=29531 "$python" train.py --epochs 1 --train_samples 8192 --amp bf16 --resume none \
+    --output_dir "$runs/local_rank1" >"$runs/local_rank1.log" 2>&1; then
+    check "LOCAL_RANK=1, one visible GPU, trains" "ok ($(grep -o 'val_accuracy [0-9.]*' "$runs/local_rank1.log" | tail -n 1))"
+else
+    check "LOCAL_RANK=1, one visible GPU, trains" "$(tail -n 3 "$runs/local_rank1.log" | tr '\n' ' ')"
+fi
+
+# --- 3. no host sync in steady-state bf16 steps -----------------------------------------------
+# From the 4th step of each epoch until the loop's end, any synchronizing CUDA call raises.
+if "$python" - "${MLP[@]}" --epochs 2 --amp bf16 --output_dir "$runs/sync" >"$runs/sync.log" 2>&1 <<'PY'
+import sys
+import torch
+sys.path.insert(0, ".")
+import train
+
+run_batch, settle = train.Trainer._run_batch, train.Trainer._settle
+checked = []
+
+def checked_run_batch(self, *args, **kwargs):
+    if self.step >= 3 and self.batches_done >= 3:
+        torch.cuda.set_sync_debug_mode("error")
+        checked.append(self.step)
+    return run_batch(self, *args, **kwargs)
+
+def unchecked_settle(self):
+    torch.cuda.set_sync_debug_mode(0)  # the epoch's end: evaluation and checkpoints may sync
+    return settle(self)
+
+train.Trainer._run_batch, train.Trainer._settle = checked_run_batch, unchecked_settle
+code = train.main(sys.argv[1:])
+print(f"SYNC_CHECKED_STEPS {len(set(checked))}")
+sys.exit(code)
+PY
+then
+    check "steady-state bf16 steps under set_sync_debug_mode(\"error\")" "ok ($(grep -o 'SYNC_CHECKED_STEPS [0-9]*' "$runs/sync.log" | cut -d' ' -f2) steps, no sync)"
+else
+    check "steady-state bf16 steps under set_sync_debug_mode(\"error\")" "$(grep -m1 -i 'synchroniz' "$runs/sync.log" || tail -n 3 "$runs/sync.log" | tr '\n' ' ')"
+fi
+
+# --- 4. the flight recorder dumps on a collective timeout -------------------------------------
+# One rank: a long GPU sleep queued before an all-reduce keeps it from finishing within the
+# 5 s timeout; NCCL's watchdog times it out and dumps the trace, then ends the process.
+rm -rf "$runs/trace"
+"$python" - "$runs/trace" >"$runs/trace.log" 2>&1 <<'PY' || true
+import sys, time
+import torch
+import torch.distributed as dist
+sys.path.insert(0, ".")
+from ddp_utils import setup_distributed
+
+ctx = setup_distributed(timeout_seconds=5, trace_dir=sys.argv[1])
+value = torch.ones(1024, device=ctx.device)
+dist.all_reduce(value)
+torch.cuda.synchronize()
+torch.cuda._sleep(50_000_000_000)  # ~25 s of GPU clock cycles
+dist.all_reduce(value)
+time.sleep(60)  # the watchdog times the all-reduce out and dumps meanwhile
+PY
+if ls "$runs/trace"/rank_* >/dev/null 2>&1; then
+    entries=$("$python" -m torch.distributed.flight_recorder.fr_trace "$runs/trace" --prefix rank_ -j 2>&1 | grep -c -i allreduce || true)
+    check "flight recorder dump on a collective timeout" "ok ($(ls "$runs/trace" | tr '\n' ' ')with $entries all-reduce entries)"
+else
+    check "flight recorder dump on a collective timeout" "no dump in $runs/trace: $(tail -n 2 "$runs/trace.log" | tr '\n' ' ')"
+fi
+
+# --- 5. the preflight's prediction against the measured step ----------------------------------
+"$python" -m torch.distributed.run --standalone --nproc_per_node=1 preflight.py "${MLP[@]}" --amp bf16 \
+    >"$runs/preflight.log" 2>&1 || true
+predicted_ms=$(grep -o 'compute [0-9.]* ms' "$runs/preflight.log" | head -n 1 | cut -d' ' -f2)
+measured_ms=$("$python" -c "
+import json, sys
+last = json.loads(open('$runs/bf16_false/metrics.jsonl').read().splitlines()[-1])
+print(1000 * 1024 / last['samples_per_s'])  # one step of the global batch (1024) at the steady rate
+")
+if [[ -n $predicted_ms ]]; then
+    ratio=$("$python" -c "print(f'{$predicted_ms / $measured_ms:.2f}')")
+    verdict=$("$python" -c "print('ok' if 0.75 <= $predicted_ms / $measured_ms <= 1.25 else 'off')")
+    check "preflight predicted bf16 step vs measured" "$verdict (predicted $predicted_ms ms, measured $(printf '%.2f' "$measured_ms") ms, ratio $ratio)"
+else
+    check "preflight predicted bf16 step vs measured" "no prediction: $(tail -n 3 "$runs/preflight.log" | tr '\n' ' ')"
+fi
+exit $failed

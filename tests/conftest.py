@@ -11,7 +11,7 @@ TEMPLATE = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def run(command, cwd, timeout=600, env_override=None):
+def run(command, cwd, timeout=900, env_override=None):
     """Run a command with this environment's tools (cookiecutter, ruff, python) first on PATH."""
     env = dict(os.environ if env_override is None else env_override)
     env.update(OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")

@@ -140,11 +140,30 @@ def test_default_project_suite(default_project, module):
     assert "failed" not in result.stdout and (" passed" in result.stdout or " skipped" in result.stdout)
 
 
+def test_readme_quick_start_runs_as_written_with_two_nodes(cookies, tmp_path):
+    """num_nodes=2 makes launch.sh default to two nodes; the quick start still runs on this
+    machine. Each command as written, with a smaller run and its own output folder appended."""
+    project = bake_ok(cookies, num_nodes="2", gpus_per_node="2")
+    readme = (project / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    commands = [c for c in commands if c and not c.startswith(("python -m venv", "pip ", "pytest"))]
+    assert len(commands) == 3 and any("scripts/launch.sh" in c for c in commands), commands
+    small = "--epochs 1 --train_samples 2048 --val_samples 256 --hidden_dim 32"
+    for number, command in enumerate(commands):
+        result = run(["bash", "-c", f"{command} {small} --output_dir runs/quick_{number}"], cwd=project)
+        assert result.returncode == 0, (command, result.stdout[-3000:], result.stderr[-3000:])
+        assert (project / "runs" / f"quick_{number}" / "metrics.jsonl").exists(), command
+
+
 @pytest.mark.parametrize("amp", ["fp16", "none"])
-def test_other_amp_defaults_pass_the_project_suite(cookies, amp):
-    """With another default amp, the tests that use the default (2-process runs included) pass;
-    tests that set --amp themselves ran with the default bake already."""
+def test_other_amp_defaults_train(cookies, amp):
+    """With another default amp, a 2-process run with the defaults trains, learns and writes
+    complete checkpoints (test_train.py's tests on its shared run); every other test sets --amp
+    itself or does not train, and ran with the default bake already."""
     project = bake_ok(cookies, amp=amp)
-    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not fixed_amp"], cwd=project)
+    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not fixed_amp", "tests/test_train.py",
+               "-k", "not single_process and not second_dataset"]  # fmt: skip
+    result = run(command, cwd=project)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     assert "failed" not in result.stdout and (" passed" in result.stdout or " skipped" in result.stdout)

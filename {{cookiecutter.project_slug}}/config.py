@@ -54,8 +54,10 @@ class Config:
     weight_decay: float = knob(0.01, "AdamW weight decay")
     max_grad_norm: float = knob(1.0, "clip the global gradient norm to this, 0 = off")
     lr_schedule: str = knob("cosine", "learning-rate decay after warmup", ("cosine", "constant"))
-    warmup_steps: int = knob(0, "optimizer steps of linear warmup from 0 to lr")
+    warmup_steps: int = knob(0, "optimizer steps of linear warmup from 0 to lr (at the run's first global batch)")
     min_lr_ratio: float = knob(0.1, "cosine decays to lr x this at the last step")
+    min_loss_scale: float = knob(1.0, "fp16: stop when the loss scale falls below this")
+    max_skipped_steps: int = knob(20, "fp16: stop after this many overflow-skipped steps in a row, 0 = never")
     amp: str = knob(
         {{ cookiecutter.amp | tojson }},
         "mixed precision: bf16 or fp16 autocast (fp16 with loss scaling), or none",
@@ -76,6 +78,9 @@ class Config:
 
     # Checkpoints and logging
     checkpoint_every_steps: int = knob(0, "also checkpoint every N optimizer steps, 0 = epoch ends only")
+    checkpoint_timeout_seconds: int = knob(
+        1800, "limit for writing or reading a checkpoint while the other ranks wait (slow network file systems)"
+    )
     keep_checkpoints: int = knob(3, "newest step checkpoints kept besides last.pt")
     log_every_steps: int = knob(50, "log the training loss every N optimizer steps, 0 = off")
     progress_bar: bool = knob(True, "tqdm progress bar on rank 0 when stdout is a terminal")
@@ -95,11 +100,13 @@ class Config:
                 raise ConfigError(f.name, f"must be one of {', '.join(choices)}")
         positive = ("epochs", "train_samples", "val_samples", "input_dim", "hidden_dim")
         positive += ("batch_size", "grad_accum_steps", "timeout_seconds", "prefetch_factor", "bucket_cap_mb")
+        positive += ("checkpoint_timeout_seconds",)
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be at least 1")
         non_negative = ("num_workers", "input_noise_std", "weight_decay", "max_grad_norm")
         non_negative += ("warmup_steps", "checkpoint_every_steps", "keep_checkpoints", "log_every_steps", "peak_tflops")
+        non_negative += ("min_loss_scale", "max_skipped_steps")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(name, "must not be negative")
@@ -111,6 +118,14 @@ class Config:
             raise ConfigError("min_lr_ratio", "must be between 0 and 1")
         if not self.output_dir:
             raise ConfigError("output_dir", "must not be empty")
+        if self.static_graph and self.grad_accum_steps > 1:
+            # DDP's static graph expects an all-reduce after every backward; no_sync() breaks that
+            # (an internal assert, or with PyTorch's patch, gradients that silently stop syncing).
+            raise ConfigError("static_graph", "cannot be combined with --grad_accum_steps > 1: set one of them back")
+        if self.comm_hook == "powersgd" and self.amp == "fp16":
+            # One overflowing fp16 step puts inf into PowerSGD's error feedback for good: every
+            # later step overflows and is skipped.
+            raise ConfigError("comm_hook", "powersgd cannot run with --amp fp16: use --amp bf16, or --comm_hook fp16")
 
     def to_dict(self):
         return dataclasses.asdict(self)

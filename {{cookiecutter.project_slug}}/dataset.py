@@ -142,9 +142,10 @@ def build_loaders(cfg, ctx):
     # (seed, epoch, index) like the built-in noise.
     train_loader = DataLoader(train_set, sampler=sampler, generator=torch.Generator(), **common)
     # Evaluation: every sample exactly once across ranks (ranks may get one sample more or
-    # less than others; metrics are reduced as sums and counts, so that is exact).
+    # less than others; metrics are reduced as sums and counts, so that is exact). Its workers
+    # are not kept between evaluations: they would hold memory through all of training.
     val_sampler = range(ctx.rank, len(val_set), ctx.world_size)
-    val_loader = DataLoader(val_set, sampler=val_sampler, **common)
+    val_loader = DataLoader(val_set, sampler=val_sampler, **{**common, "persistent_workers": False})
     return train_loader, val_loader
 
 

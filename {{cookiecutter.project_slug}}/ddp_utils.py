@@ -10,8 +10,10 @@ Rules this file enforces for the rest of the project:
 import faulthandler
 import functools
 import gc
+import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,48 +32,78 @@ log = logging.getLogger("train")
 @dataclass(frozen=True)
 class DistContext:
     rank: int  # global rank: who writes files, logs and checkpoints
-    local_rank: int  # rank on this node: the only valid device index
+    local_rank: int  # rank on this node
     world_size: int
-    device: torch.device
+    device: torch.device  # this process's device: the only device index to use (pick_device)
+    store: dist.Store  # the group's key-value store, for waits that collectives must not bound
 
     @property
     def is_main(self):
         return self.rank == 0
 
 
-def setup_distributed(timeout_seconds=600):
+def pick_device(local_rank):
+    """This process's GPU: the LOCAL_RANK-th GPU it sees, or its only one.
+
+    Schedulers often show each process just its own GPU (`srun --gpus-per-task=1`,
+    CUDA_VISIBLE_DEVICES per rank): that GPU is then cuda:0 whatever LOCAL_RANK is.
+    """
+    count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= count:
+        raise RuntimeError(
+            f"LOCAL_RANK {local_rank} but this process sees {count} GPUs: start at most one process per GPU "
+            "(NPROC_PER_NODE), or show each process its own GPU (CUDA_VISIBLE_DEVICES)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def setup_distributed(timeout_seconds=600, trace_dir=None):
     """Join the process group that torchrun (or srun) describes, or form a group of one.
 
     Under torchrun, RANK/LOCAL_RANK/WORLD_SIZE are set; under `srun --ntasks-per-node=G python
     train.py`, SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS are (torchrun's take precedence). With
     neither (plain `python train.py`) a single-process group is made on an in-memory store,
     so the rest of the code runs one path: DDP, collectives and the sampler behave exactly as
-    with more processes.
+    with more processes. On GPUs, NCCL's flight recorder keeps the last collectives of each
+    rank and dumps them to `trace_dir` when a collective times out (README: When it hangs).
     """
     env = process_env()
     rank, local_rank, world_size = env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]
     if torch.cuda.is_available():
         # Set the device before init so NCCL binds this process to its own GPU; the global
         # rank is no device index on any node but the first.
-        # (modulo: a scheduler may show each process only its own GPU)
-        gpu = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(gpu)
-        device, backend = torch.device("cuda", gpu), "nccl"
+        device, backend = pick_device(local_rank), "nccl"
+        torch.cuda.set_device(device)
+        if trace_dir is not None:
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{trace_dir}/rank_")
     else:
         device, backend = torch.device("cpu"), "gloo"
     timeout = timedelta(seconds=timeout_seconds)
-    # NCCL: a collective past the timeout ends the process instead of hanging forever.
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # device_id: NCCL connects at init (errors surface here, not in the first all-reduce).
+    device_id = device if device.type == "cuda" else None
     if world_size > 1 or "RANK" in os.environ:
-        # torchrun's agent keeps one key-value store across restarts; keys left by a killed
-        # attempt can make the restarted group connect to a dead peer and hang. Each restart
-        # therefore gets its own key space.
+        # torchrun's agent keeps one key-value store across restarts and membership changes;
+        # keys left by an earlier group can make the new one connect to a dead peer and hang.
+        # Each group therefore gets its own key space: a restart raises the restart count, a
+        # node joining raises the world size.
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-        store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        store = dist.PrefixStore(group_prefix(os.environ, world_size), store)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistContext(rank, local_rank, world_size, device)
+        store = dist.HashStore()
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+    )
+    return DistContext(rank, local_rank, world_size, device, store)
+
+
+def group_prefix(environ, world_size):
+    """The store key space of this process group (see setup_distributed)."""
+    return f"restart_{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}_world_{world_size}"
 
 
 def process_env():
@@ -90,13 +122,20 @@ def process_env():
             command = ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]]
             hostnames = subprocess.run(command, capture_output=True, text=True, check=True).stdout.split()
             os.environ["MASTER_ADDR"] = hostnames[0]
-        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
+        os.environ.setdefault("MASTER_PORT", str(job_port(int(os.environ["SLURM_JOB_ID"]))))
         return {
             "RANK": int(os.environ["SLURM_PROCID"]),
             "LOCAL_RANK": int(os.environ["SLURM_LOCALID"]),
             "WORLD_SIZE": int(os.environ["SLURM_STEP_NUM_TASKS"]),
         }
     return {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1}
+
+
+def job_port(job_id):
+    """A port for a SLURM job: 20000-32767, below Linux's ephemeral range (32768 and up), where
+    the kernel hands out ports for outgoing connections and a listener could find it taken.
+    scripts/slurm.sbatch derives its rendezvous port the same way."""
+    return 20000 + job_id % 12768
 
 
 def cleanup_distributed():
@@ -126,15 +165,118 @@ def rank_zero_only(fn):
     return wrapper
 
 
-def any_rank(*flags, device):
-    """True for each flag that is true on at least one rank: one all-reduce for all flags.
+class HostCopy:
+    """A tensor copied to the host without making the host wait for the device.
 
-    Flags may be bools or 0-dim tensors already on `device` (no host sync before the reduce).
+    On CUDA the copy goes to pinned memory behind the work already queued; `tolist()` waits
+    only for that copy (an event), so read it a step later and it is long done. On the CPU
+    there is nothing to wait for.
     """
-    values = [torch.as_tensor(flag, dtype=torch.float32, device=device) for flag in flags]
-    reduced = torch.stack(values)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in reduced.tolist()]
+
+    def __init__(self, tensor):
+        self.event = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
+
+    def tolist(self):
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class Agreement:
+    """Flags OR-ed across all ranks by one all-reduce that runs while the host goes on.
+
+    `result()` gives the agreed values; the training loop reads them one optimizer step after
+    starting the all-reduce, so it never waits for the device (train.py, _optimizer_step).
+    """
+
+    def __init__(self, flags, device):
+        # Built on the device: a tensor made from a Python value on CUDA would be a blocking
+        # copy, torch.full is a kernel launch.
+        values = torch.stack([to_flag(flag, device) for flag in flags])
+        work = dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True)
+        if device.type == "cuda":
+            work.wait()  # orders the copy after the all-reduce on the GPU; the host goes on
+            self.work, self.copy = None, HostCopy(values)
+        else:
+            self.work, self.copy = work, HostCopy(values)
+
+    def result(self):
+        if self.work is not None:
+            self.work.wait()
+        return [bool(v) for v in self.copy.tolist()]
+
+
+def to_flag(flag, device):
+    if isinstance(flag, torch.Tensor):
+        return flag.to(device=device, dtype=torch.float32).reshape(())
+    return torch.full((), float(flag), device=device)
+
+
+def any_rank(*flags, device):
+    """True for each flag that is true on at least one rank: one all-reduce for all flags, waited for."""
+    return Agreement(flags, device).result()
+
+
+def store_barrier(ctx, name, error=None, timeout_seconds=1800):
+    """Wait until every rank has arrived at `name`, up to `timeout_seconds`, through the store.
+
+    For waits that collectives must not bound: while rank 0 writes a large checkpoint to a slow
+    file system, the other ranks wait here rather than in a collective limited by
+    --timeout_seconds. Each rank may report an error; returns one of those reported, or None.
+    Every rank must call it with the same names in the same order.
+    """
+    key = f"barrier/{name}"
+    if error:
+        ctx.store.set(f"{key}/error", error)
+    if ctx.store.add(f"{key}/arrived", 1) == ctx.world_size:
+        ctx.store.set(f"{key}/all", "1")
+    try:
+        ctx.store.wait([f"{key}/all"], timedelta(seconds=timeout_seconds))
+    except (dist.DistError, RuntimeError) as failure:  # the store's wait timed out
+        raise CheckpointError(
+            f"rank {ctx.rank} waited more than {timeout_seconds} s for the other ranks at {name} "
+            f"({type(failure).__name__}); raise --checkpoint_timeout_seconds if the file system is slow"
+        ) from None
+    if ctx.store.check([f"{key}/error"]):
+        return ctx.store.get(f"{key}/error").decode()
+    return None
+
+
+def share_from_main(ctx, name, value, timeout_seconds):
+    """Rank 0's `value` (JSON data) on every rank, sent through the store: the others wait for
+    it up to `timeout_seconds`, as in `store_barrier`."""
+    key = f"shared/{name}"
+    if ctx.is_main:
+        ctx.store.set(key, json.dumps(value))
+    else:
+        try:
+            ctx.store.wait([key], timedelta(seconds=timeout_seconds))
+        except (dist.DistError, RuntimeError) as failure:
+            raise CheckpointError(
+                f"rank {ctx.rank} waited more than {timeout_seconds} s for rank 0 at {name} "
+                f"({type(failure).__name__}); raise --checkpoint_timeout_seconds if the file system is slow"
+            ) from None
+    return json.loads(ctx.store.get(key))
+
+
+# How a collective that ran past --timeout_seconds fails: gloo raises a RuntimeError from the
+# operation (backward's all-reduce included), NCCL's watchdog reports the stuck work.
+COLLECTIVE_TIMEOUT = re.compile(
+    r"Timed out waiting \d+ms for (send|recv) operation|Watchdog caught collective operation timeout"
+)
+
+
+def is_collective_timeout(error):
+    """Whether `error` is a collective that ran past its timeout: not any error that says
+    "timed out" (a DataLoader's `timeout`, a socket, a file system)."""
+    return isinstance(error, RuntimeError) and COLLECTIVE_TIMEOUT.search(str(error)) is not None
 
 
 def setup_logging(ctx, output_dir):
@@ -180,28 +322,33 @@ class Watchdog:
     """Say where this rank is stuck before the collective timeout ends the job.
 
     The loop calls `beat("train step 12")` as it goes. A daemon thread checks that a beat came
-    within `seconds`; if not, it logs which phase this rank has been stuck in and writes every
-    thread's Python stack to stderr (faulthandler), once per stall. Each rank does this, so the
-    output shows which ranks were waiting where: the one stuck in its own code, and the others
-    waiting for it inside a collective. A stop signal during a stall in Python code (a stuck
-    data read, a sleep) ends the process at once; a rank blocked inside a collective sees the
-    signal only when the collective returns or times out.
+    within 90% of `timeout_seconds` (the collective timeout); if not, it logs which phase this
+    rank has been stuck in and writes every thread's Python stack to stderr (faulthandler),
+    once per stall. It looks often enough to do so before the timeout: every rank that is
+    stuck reports, so the output shows which ranks were waiting where, the one stuck in its
+    own code and the others waiting for it inside a collective. A stop signal during a stall
+    in Python code (a stuck data read, a sleep) ends the process at once; a rank blocked inside
+    a collective sees the signal only when the collective returns or times out.
     """
 
-    def __init__(self, seconds, rank, stop):
-        self.seconds, self.rank, self.stop = seconds, rank, stop
-        self.phase, self.last_beat, self.reported = "start-up", time.monotonic(), False
+    def __init__(self, timeout_seconds, rank, stop):
+        self.seconds = 0.9 * timeout_seconds
+        self.period = min(1.0, 0.04 * timeout_seconds)  # reports land between 90% and 94%
+        self.rank, self.stop = rank, stop
+        self.phase, self.last_beat, self.reported, self.limit = "start-up", time.monotonic(), False, self.seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self._thread.start()
 
-    def beat(self, phase):
+    def beat(self, phase, seconds=None):
+        """Progress in `phase`; `seconds` allows a longer stall for this phase (checkpoint I/O)."""
         self.phase, self.last_beat, self.reported = phase, time.monotonic(), False
+        self.limit = seconds or self.seconds
 
     def _watch(self):
-        while not self._stop.wait(min(1.0, self.seconds / 4)):
+        while not self._stop.wait(self.period):
             stalled = time.monotonic() - self.last_beat
-            if stalled > self.seconds and not self.reported:
+            if stalled > self.limit and not self.reported:
                 self.reported = True
                 log.error(
                     "rank %d: no progress for %.0f s in %s; Python stacks of this rank follow on stderr",
@@ -228,15 +375,17 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def save_checkpoint(ctx, state, checkpoint_dir, step, keep):
+def save_checkpoint(ctx, state, checkpoint_dir, step, keep, timeout_seconds):
     """Write `state` as last.pt (and step_<step>.pt) atomically; call on every rank.
 
-    Global rank 0 writes; the others wait in the collective that reports whether it worked,
-    so a failed write (disk full) stops every rank with the same error instead of a hang.
+    Global rank 0 writes; the others wait for it through the store, for up to `timeout_seconds`
+    (not --timeout_seconds: a large checkpoint on a slow file system takes its time). A failed
+    write (disk full) stops every rank with the same error instead of a hang.
     """
     error = _write_checkpoint(state, Path(checkpoint_dir), step, keep)
-    if any_rank(error is not None, device=ctx.device)[0]:
-        raise CheckpointError(error or "checkpoint write failed on rank 0; see its log")
+    error = store_barrier(ctx, f"checkpoint_step_{step}", error, timeout_seconds)
+    if error:
+        raise CheckpointError(error)
 
 
 @rank_zero_only

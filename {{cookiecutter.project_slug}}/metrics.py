@@ -6,39 +6,62 @@ Nothing here calls a collective: the Trainer reduces the numbers first, then han
 import json
 import resource
 import sys
+from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from ddp_utils import rank_zero_only
+from model import build_model
 
-# Dense peak TFLOPS per GPU for bf16/fp16 tensor cores and for fp32 (TF32 where it applies),
-# from the vendors' data sheets. Matched by substring of torch.cuda.get_device_name().
+# Dense peak TFLOPS of one GPU from the vendors' data sheets: bf16/fp16 tensor cores, TF32
+# tensor cores, and plain FP32 (amp none with --tf32 false). Matched in order by substring of
+# torch.cuda.get_device_name(), so the specific variants (NVL, PCIe) come before the family.
 # Set --peak_tflops for anything missing here.
-PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "none": 494.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "none": 494.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "none": 156.0},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "none": 183.0},
-    "A10G": {"bf16": 70.0, "fp16": 70.0, "none": 35.0},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "none": 60.0},
-    "V100": {"bf16": 0.0, "fp16": 125.0, "none": 15.7},
-    "T4": {"bf16": 0.0, "fp16": 65.0, "none": 8.1},
-}
+PEAK_TFLOPS = (
+    ("H200 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),  # SXM
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),  # SXM ("H100 80GB HBM3")
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),  # 40 and 80 GB, SXM and PCIe
+    ("L40S", {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    ("A10G", {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    ("V100", {"bf16": 0.0, "fp16": 125.0, "tf32": 0.0, "fp32": 15.7}),
+    ("T4", {"bf16": 0.0, "fp16": 65.0, "tf32": 0.0, "fp32": 8.1}),
+)
 
 
-def peak_tflops(device_name, amp, override=0.0):
-    """Peak TFLOPS of one device for this precision; 0.0 when unknown (MFU is then not reported)."""
+def peak_tflops(device_name, amp, tf32, override=0.0):
+    """Peak TFLOPS of one device for this precision; 0.0 when unknown (MFU is then not reported).
+
+    amp none runs matmuls in TF32 when --tf32 is on and the GPU has it, else in plain FP32.
+    """
     if override > 0:
         return override
-    for name, peaks in PEAK_TFLOPS.items():
+    for name, peaks in PEAK_TFLOPS:
         if name in device_name:
-            return peaks[amp]
+            if amp != "none":
+                return peaks[amp]
+            return peaks["tf32"] if tf32 and peaks["tf32"] else peaks["fp32"]
     return 0.0
 
 
-def flops_per_sample(model):
-    """Training FLOPs per sample of a model made of dense layers: 2 per weight forward, 4 backward."""
-    return 6 * sum(p.numel() for p in model.parameters() if p.dim() > 1)
+def flops_per_sample(cfg, sample, loss_fn):
+    """Training FLOPs (forward and backward) per sample, counted by PyTorch's FlopCounterMode.
+
+    The model is built on the meta device: no memory, no arithmetic, no random draws and no
+    state touched, yet every matmul, convolution and attention call is counted as it runs
+    (6 x parameters misses attention and convolutions, and counts embedding lookups).
+    `sample` is one (input, target) item of the training set.
+    """
+    inputs, targets = (torch.empty((1, *t.shape), dtype=t.dtype, device="meta") for t in sample)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    with FlopCounterMode(display=False) as counter:
+        loss_fn(model(inputs), targets).backward()
+    return counter.get_total_flops()
 
 
 def mfu(flops_per_sample, samples_per_s, world_size, peak_tflops):
@@ -49,10 +72,26 @@ def mfu(flops_per_sample, samples_per_s, world_size, peak_tflops):
 
 
 def peak_memory_mb(device):
-    """Peak memory of this process: allocated on the GPU, or resident (RSS) on the CPU."""
+    """Peak memory of this process since the last reset_peak_memory: allocated on the GPU, or
+    resident (RSS high-water mark) on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) / 1024  # KiB
+    except (OSError, IndexError):  # not Linux: the peak since the process started
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_memory(device):
+    """Start a new peak (each epoch reports its own)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the RSS high-water mark
+    except OSError:
+        pass
 
 
 def format_metrics(metrics):
@@ -91,9 +130,11 @@ class Reporter:
             self.tensorboard.flush()
 
     @rank_zero_only
-    def train_loss(self, step, loss):
+    def train_loss(self, step, loss, samples_per_s):
         if self.tensorboard:
             self.tensorboard.add_scalar("train_loss_step", loss, step)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples_per_s:.0f}", refresh=False)
 
     @rank_zero_only
     def truncate(self, step):
@@ -116,11 +157,9 @@ class Reporter:
             self.bar = tqdm(total=steps, initial=done, desc=f"epoch {epoch}/{epochs}", unit="step")
 
     @rank_zero_only
-    def step(self, loss=None, samples_per_s=None):
+    def step(self):
         if self.bar is not None:
             self.bar.update(1)
-            if loss is not None:
-                self.bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples_per_s:.0f}", refresh=False)
 
     @rank_zero_only
     def end_epoch(self):

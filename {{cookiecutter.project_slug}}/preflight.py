@@ -22,11 +22,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from config import parse_config
-from ddp_utils import cleanup_distributed, process_env, setup_distributed
-from model import build_model
+from ddp_utils import cleanup_distributed, pick_device, process_env, setup_distributed
+from train import Trainer
 
 SIZES_MB = (1, 4, 16, 64, 256)
 
@@ -62,16 +61,22 @@ def processes_per_node():
 
 
 def check_gpus(env):
+    """The GPUs this process sees, and the one it will train on (as setup_distributed picks it)."""
     local_world_size = processes_per_node()
     if not torch.cuda.is_available():
         return "no GPU visible: training will use gloo on CPU"
     count = torch.cuda.device_count()
-    if count < local_world_size:
+    if 1 < count < local_world_size:
         raise PreflightError(
-            f"{count} GPU(s) visible but {local_world_size} processes on this node: lower NPROC_PER_NODE "
+            f"{count} GPUs visible but {local_world_size} processes on this node: lower NPROC_PER_NODE "
             "or check CUDA_VISIBLE_DEVICES"
         )
-    return f"{count} GPU(s) visible for {local_world_size} process(es): {torch.cuda.get_device_name(env['LOCAL_RANK'])}"
+    try:
+        device = pick_device(env["LOCAL_RANK"])
+    except RuntimeError as error:
+        raise PreflightError(str(error)) from None
+    layout = "its own GPU (one visible)" if count == 1 else f"{count} GPUs visible for {local_world_size} process(es)"
+    return f"{layout}: trains on {device}, {torch.cuda.get_device_name(device)}"
 
 
 def interface_of(address):
@@ -172,19 +177,29 @@ def allreduce_seconds(num_bytes, rows):
     return seconds * num_bytes / (size_mb * 2**20)
 
 
-def step_compute_seconds(cfg, ctx, repeats=5):
-    """Forward and backward of one micro-batch of this model on this device, no communication."""
-    model = build_model(cfg).to(ctx.device)
-    inputs = torch.randn(cfg.batch_size, cfg.input_dim, device=ctx.device)
-    targets = torch.randint(cfg.num_classes, (cfg.batch_size,), device=ctx.device)
-    timings = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        F.cross_entropy(model(inputs), targets).backward()
-        synchronize(ctx)
-        timings.append(time.perf_counter() - started)
-    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return sorted(timings[1:])[repeats // 2] * cfg.grad_accum_steps, gradient_bytes
+def step_compute_seconds(cfg, ctx, repeats=5, warmup=2):
+    """One optimizer step without communication, timed as train.py runs it: the same Trainer
+    (model, amp, TF32, compile), micro-batches of the training data under DDP's no_sync, and
+    the optimizer step. Returns (median seconds, bytes of gradients all-reduced per step)."""
+    trainer = Trainer(cfg, ctx)
+    try:
+        inputs, targets = next(iter(trainer.train_loader))
+        timings = []
+        for _ in range(warmup + repeats):  # the first steps compile and tune kernels
+            synchronize(ctx)
+            started = time.perf_counter()
+            for _ in range(cfg.grad_accum_steps):
+                trainer._run_batch(inputs, targets, sync=False)
+            trainer.scaler.step(trainer.optimizer)
+            trainer.scaler.update()
+            trainer.optimizer.zero_grad(set_to_none=True)
+            synchronize(ctx)
+            timings.append(time.perf_counter() - started)
+        parameters = [p for p in trainer.model.parameters() if p.requires_grad]
+        gradient_bytes = sum(p.numel() * p.element_size() for p in parameters)
+    finally:
+        trainer.close()
+    return sorted(timings[warmup:])[repeats // 2], gradient_bytes
 
 
 def verdict(comm_seconds, compute_seconds, world_size):

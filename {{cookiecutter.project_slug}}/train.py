@@ -12,10 +12,12 @@ checkpoints), then `main`, which owns the process group's lifetime.
 import contextlib
 import logging
 import math
+import os
 import random
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,20 +30,33 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from config import parse_config
 from dataset import build_loaders, mix_seed, seed_everything, start_epoch
 from ddp_utils import (
+    Agreement,
     CheckpointError,
+    HostCopy,
     StopRequest,
     Watchdog,
-    any_rank,
     checkpoint_candidates,
     cleanup_distributed,
+    is_collective_timeout,
     load_checkpoint,
     load_latest_checkpoint,
     rank_zero_only,
     save_checkpoint,
     setup_distributed,
     setup_logging,
+    share_from_main,
+    store_barrier,
+    warn_main,
 )
-from metrics import Reporter, flops_per_sample, format_metrics, mfu, peak_memory_mb, peak_tflops
+from metrics import (
+    Reporter,
+    flops_per_sample,
+    format_metrics,
+    mfu,
+    peak_memory_mb,
+    peak_tflops,
+    reset_peak_memory,
+)
 from model import build_model
 
 log = logging.getLogger("train")
@@ -60,13 +75,30 @@ class Preempted(Exception):
         self.signum = signum
 
 
-def lr_at(step, cfg, total_steps):
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine or constant."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+class ExitNow(Exception):
+    """Ranks are out of step and the root cause is logged: exit without waiting for anyone."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run's length and warmup in samples (all ranks together): the schedule's inputs."""
+
+    total_samples: int
+    warmup_samples: int
+
+
+def lr_at(samples, cfg, plan):
+    """Learning rate of the optimizer step that brings training to `samples` samples: linear
+    warmup, then cosine or constant.
+
+    A pure function of samples trained, not of steps: a run resumed with another world size,
+    batch size or accumulation continues the same curve and still ends at the floor.
+    """
+    if samples < plan.warmup_samples:
+        return cfg.lr * samples / plan.warmup_samples
     if cfg.lr_schedule == "constant":
         return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps - 1))
+    progress = min(1.0, (samples - plan.warmup_samples) / max(1, plan.total_samples - plan.warmup_samples))
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
@@ -136,14 +168,17 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = self.output_dir / "checkpoints"
         self.train_loader, self.val_loader = build_loaders(cfg, ctx)
+        self.global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps
         if self.steps_per_epoch == 0:
-            global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
             raise TrainingError(
                 f"--train_samples {cfg.train_samples} is less than one global batch "
-                f"(batch_size x world_size x grad_accum_steps = {global_batch})"
+                f"(batch_size x world_size x grad_accum_steps = {self.global_batch})"
             )
-        self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.plan = Plan(
+            total_samples=cfg.epochs * self.steps_per_epoch * self.global_batch,
+            warmup_samples=cfg.warmup_steps * self.global_batch,  # kept from the first start on resume
+        )
 
         # Same initial weights on every rank (DDP also broadcasts rank 0's at wrap time);
         # afterwards each rank gets its own stream for anything random it does.
@@ -159,7 +194,9 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
         self.model = DDP(
             model,
-            device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+            # The device setup_distributed picked: with one visible GPU per process it is
+            # cuda:0 whatever LOCAL_RANK is.
+            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             find_unused_parameters=cfg.find_unused_parameters,
             gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             static_graph=cfg.static_graph,
@@ -169,9 +206,9 @@ class Trainer:
         # torch.compile goes around the DDP wrapper, so DDP's bucketing is compiled in step with
         # the graph (PyTorch's documented order); no_sync() still acts on the wrapper.
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
-        self.flops_per_sample = flops_per_sample(model)
+        self.flops_per_sample = flops_per_sample(cfg, self.train_loader.dataset[0], loss_fn=F.cross_entropy)
         device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
-        self.peak_tflops = peak_tflops(device_name, cfg.amp, cfg.peak_tflops) if device_name else cfg.peak_tflops
+        self.peak_tflops = peak_tflops(device_name, cfg.amp, cfg.tf32, cfg.peak_tflops)
         try:
             self.reporter = Reporter(ctx, cfg, self.output_dir)
         except ImportError:
@@ -179,11 +216,16 @@ class Trainer:
 
         self.epoch = 0  # current epoch (0-based)
         self.step = 0  # optimizer steps done in the whole run
+        self.samples_seen = 0  # samples trained in the whole run, all ranks: the schedule's clock
         self.batches_done = 0  # micro-batches done by each rank in the current epoch
         self.loss_totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # sum, count
+        self.pending = None  # (step, Agreement) of the last optimizer step, read one step later
+        self.pending_log = None  # (step, HostCopy of the loss, samples/s), printed one step later
+        self.skipped_in_a_row = 0  # fp16 steps skipped for overflow, in a row
+        self.checkpoint_seconds = 0.0  # time spent saving inside the current epoch
         self.stop = StopRequest()
         # Fires a little before the collective timeout, so stacks are written before the job ends.
-        self.watchdog = Watchdog(0.9 * cfg.timeout_seconds, ctx.rank, self.stop)
+        self.watchdog = Watchdog(cfg.timeout_seconds, ctx.rank, self.stop)
 
     # --- resume ---------------------------------------------------------------------------
 
@@ -197,11 +239,12 @@ class Trainer:
                 )
             return
         # Rank 0 chooses the file and every rank loads that one: ranks choosing on their own
-        # could pick different files after a transient read error and silently diverge.
+        # could pick different files after a transient read error and silently diverge. The
+        # choice and the outcome travel through the store: reading a large checkpoint from a
+        # slow file system may take longer than --timeout_seconds.
+        self.watchdog.beat("choosing the checkpoint to resume", seconds=cfg.checkpoint_timeout_seconds)
         path, error, state = self._choose_checkpoint() if ctx.is_main else (None, None, None)
-        choice = [(path, error)]
-        dist.broadcast_object_list(choice, src=0)
-        path, error = choice[0]
+        path, error = share_from_main(ctx, "resume_choice", [path, error], cfg.checkpoint_timeout_seconds)
         if error:
             raise CheckpointError(error)
         if path is None:
@@ -211,8 +254,9 @@ class Trainer:
                 state = load_checkpoint(Path(path), ctx.device)
             except CheckpointError as failure:
                 error = str(failure)
-        if any_rank(error is not None, device=ctx.device)[0]:
-            raise CheckpointError(error or f"checkpoint {path} is unreadable on another rank")
+        error = store_barrier(ctx, "resume_loaded", error, cfg.checkpoint_timeout_seconds)
+        if error:
+            raise CheckpointError(error)
         self.load_state(state, Path(path))
 
     def _choose_checkpoint(self):
@@ -236,19 +280,29 @@ class Trainer:
             raise TrainingError(f"checkpoint {path} has another model shape: {', '.join(mismatched)}")
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
+        if self.scaler.is_enabled() and not state["scaler"]:
+            report("checkpoint %s was trained without loss scaling (--amp %s): the fp16 loss scale starts afresh",
+                   path, saved["amp"])  # fmt: skip
+        else:
+            self.scaler.load_state_dict(state["scaler"])  # a disabled scaler (bf16, none) ignores it
         self.epoch, self.step = state["epoch"], state["step"]
+        self.samples_seen = state.get("samples_seen", self.step * self.global_batch)
+        if "warmup_samples" in state and saved["warmup_steps"] == self.cfg.warmup_steps:
+            self.plan = Plan(self.plan.total_samples, state["warmup_samples"])
         # The position in the epoch as samples of the one shuffled order, so it converts to
-        # another world size, batch size or accumulation if it falls on a whole global batch.
+        # another world size, batch size or accumulation: to the nearest whole global batch.
         samples_done, world_size = state["samples_done"], self.ctx.world_size
-        global_batch = self.cfg.batch_size * world_size * self.cfg.grad_accum_steps
-        if samples_done % global_batch:
-            raise TrainingError(
-                f"checkpoint {path} stopped {samples_done} samples into epoch {self.epoch + 1}, not a whole "
-                f"number of global batches of {global_batch} (batch_size x processes x grad_accum_steps): resume "
-                "with the sizes it was saved with, or from an epoch-end checkpoint"
+        whole, rest = divmod(samples_done, self.global_batch)
+        resume_at = min(whole + (2 * rest > self.global_batch), self.steps_per_epoch) * self.global_batch
+        if resume_at != samples_done:
+            change = f"{samples_done - resume_at} samples are trained twice" if resume_at < samples_done else (
+                f"{resume_at - samples_done} samples are skipped"
+            )  # fmt: skip
+            warn_main(
+                f"checkpoint {path} stopped {samples_done} samples into epoch {self.epoch + 1}, not a whole number "
+                f"of global batches of {self.global_batch}: resuming at sample {resume_at}, so {change} this epoch"
             )
-        self.batches_done = samples_done // (self.cfg.batch_size * world_size)
+        self.batches_done = resume_at // (self.cfg.batch_size * world_size)
         ranks = state["ranks"]
         if len(ranks) == world_size:
             set_rng_state(ranks[self.ctx.rank]["rng"])
@@ -263,9 +317,14 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------
 
     def _save_checkpoint(self):
-        # Per-rank state (random generators, partial loss sums) is gathered to rank 0, which
-        # writes one file; a collective, so every rank calls this.
-        self.watchdog.beat(f"checkpoint at step {self.step}")
+        """Save where training is; returns whether all ranks agreed to stop (see _settle).
+
+        Per-rank state (random generators, partial loss sums) is gathered to rank 0, which
+        writes one file; every rank calls this.
+        """
+        started = time.perf_counter()
+        stop = self._settle()  # every step in this checkpoint was finite
+        self.watchdog.beat(f"checkpoint at step {self.step}", seconds=self.cfg.checkpoint_timeout_seconds)
         ranks = [None] * self.ctx.world_size
         dist.all_gather_object(ranks, {"rng": rng_state(), "loss_totals": self.loss_totals.cpu()})
         state = {
@@ -273,14 +332,21 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
-            "step": self.step,  # the learning rate is a pure function of it (lr_at)
+            "step": self.step,
+            "samples_seen": self.samples_seen,  # the learning rate is a pure function of it (lr_at)
+            "warmup_samples": self.plan.warmup_samples,
             "batches_done": self.batches_done,  # micro-batches per rank, for people reading it
             "samples_done": self.batches_done * self.cfg.batch_size * self.ctx.world_size,  # for resuming
             "world_size": self.ctx.world_size,
             "ranks": ranks,
             "config": self.cfg.to_dict(),
         }
-        save_checkpoint(self.ctx, state, self.checkpoint_dir, self.step, self.cfg.keep_checkpoints)
+        save_checkpoint(
+            self.ctx, state, self.checkpoint_dir, self.step, self.cfg.keep_checkpoints,
+            self.cfg.checkpoint_timeout_seconds,
+        )  # fmt: skip
+        self.checkpoint_seconds += time.perf_counter() - started
+        return stop
 
     # --- training -------------------------------------------------------------------------
 
@@ -289,24 +355,27 @@ class Trainer:
         if self.epoch >= cfg.epochs:
             report("run already complete: %d epochs, %d steps", self.epoch, self.step)
             return
-        global_batch = cfg.batch_size * self.ctx.world_size * cfg.grad_accum_steps
-        report("training %d epochs of %d steps, global batch %d", cfg.epochs, self.steps_per_epoch, global_batch)
+        report("training %d epochs of %d steps, global batch %d", cfg.epochs, self.steps_per_epoch, self.global_batch)
         while self.epoch < cfg.epochs:
+            reset_peak_memory(self.ctx.device)
             started, cpu_started = time.perf_counter(), time.process_time()
-            samples, data_wait_s = self._run_epoch()
-            train_seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
-            train_loss = self._reduce_train_loss()
-            samples_per_s = samples / train_seconds
+            self.checkpoint_seconds = 0.0
+            samples_per_s, data_wait_s = self._run_epoch()
+            if self._settle():  # a stop agreed in the epoch's last step
+                self._save_checkpoint()
+                raise Preempted(self.stop.signum or signal.SIGTERM)
+            train_seconds = time.perf_counter() - started - self.checkpoint_seconds
+            cpu_seconds = time.process_time() - cpu_started
             metrics = {
                 "epoch": self.epoch + 1,
                 "step": self.step,
-                "train_loss": train_loss,
+                "train_loss": self._reduce_train_loss(),
                 **self.evaluate(),
-                "samples_per_s": samples_per_s,
+                "samples_per_s": samples_per_s,  # steady state: no first step, no checkpoints
                 "data_wait_s": data_wait_s,  # rank 0's time waiting for batches
                 "compute_s": train_seconds - data_wait_s,  # the rest of the epoch's training time
                 "cpu_s": cpu_seconds,  # rank 0's CPU time while training: host overhead shows here
-                "peak_memory_mb": peak_memory_mb(self.ctx.device),  # rank 0's
+                "peak_memory_mb": peak_memory_mb(self.ctx.device),  # rank 0's, this epoch
                 "lr": self.optimizer.param_groups[0]["lr"],
             }
             utilisation = mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_tflops)
@@ -316,10 +385,11 @@ class Trainer:
             report("%s", format_metrics(metrics))
             self.epoch, self.batches_done = self.epoch + 1, 0
             self.loss_totals.zero_()
-            self._save_checkpoint()
+            if self._save_checkpoint():
+                raise Preempted(self.stop.signum or signal.SIGTERM)
 
     def _run_epoch(self):
-        """Train until the end of the epoch; returns the number of samples trained (all ranks)."""
+        """Train until the end of the epoch; returns (samples/s in steady state, data wait seconds)."""
         cfg, ctx = self.cfg, self.ctx
         accum = cfg.grad_accum_steps
         global_micro_batch = cfg.batch_size * ctx.world_size
@@ -328,6 +398,9 @@ class Trainer:
         first_batch = self.batches_done
         self.reporter.start_epoch(self.epoch + 1, cfg.epochs, self.steps_per_epoch, first_batch // accum)
         epoch_started = time.perf_counter()
+        # Throughput is measured from the end of the epoch's first step: compile warm-up, worker
+        # start-up and the first batches' latency stay out, as do checkpoints (subtracted).
+        window = None  # (time, micro-batches done, checkpoint seconds) when the window opened
         data_wait_s, waiting_since = 0.0, epoch_started
         for micro_step, (inputs, targets) in enumerate(self.train_loader, start=first_batch):
             data_wait_s += time.perf_counter() - waiting_since
@@ -342,23 +415,39 @@ class Trainer:
             if stop:  # agreed by all ranks: save where we are and exit
                 self._save_checkpoint()
                 raise Preempted(self.stop.signum or signal.SIGTERM)
-            if cfg.log_every_steps and self.step % cfg.log_every_steps == 0:
-                # Reading the loss waits for the device: only every log_every_steps steps.
-                loss_value = loss.item()
-                samples_per_s = (
-                    (micro_step + 1 - first_batch) * global_micro_batch / (time.perf_counter() - epoch_started)
-                )
-                report("step %d loss %.4f lr %.3g", self.step, loss_value, self.optimizer.param_groups[0]["lr"])
-                self.reporter.train_loss(self.step, loss_value)
-                self.reporter.step(loss_value, samples_per_s)
-            else:
-                self.reporter.step()
+            if window is None:
+                window = (time.perf_counter(), self.batches_done, self.checkpoint_seconds)
+            self._log_step(loss, window, global_micro_batch)
             mid_epoch = self.batches_done < self.steps_per_epoch * accum
             if mid_epoch and cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0:
-                self._save_checkpoint()
+                if self._save_checkpoint():
+                    raise Preempted(self.stop.signum or signal.SIGTERM)
             waiting_since = time.perf_counter()
+        self._log_step(None, window, global_micro_batch)  # the last step's line, if it is due
         self.reporter.end_epoch()
-        return (self.batches_done - first_batch) * global_micro_batch, data_wait_s
+        if window is None or self.batches_done == window[1]:  # one step this epoch: no window
+            window = (epoch_started, first_batch, 0.0)
+        opened, batches, checkpoint_seconds = window
+        seconds = time.perf_counter() - opened - (self.checkpoint_seconds - checkpoint_seconds)
+        return (self.batches_done - batches) * global_micro_batch / seconds, data_wait_s
+
+    def _log_step(self, loss, window, global_micro_batch):
+        """Every log_every_steps steps, log the loss: copied now, printed a step later, when the
+        copy is done, so the host never waits for the device. `loss=None` prints what is left."""
+        if loss is not None:
+            self.reporter.step()
+        if self.pending_log is not None:
+            step, copy, lr, samples_per_s = self.pending_log
+            (loss_value,) = copy.tolist()
+            report("step %d loss %.4f lr %.3g", step, loss_value, lr)
+            self.reporter.train_loss(step, loss_value, samples_per_s)
+            self.pending_log = None
+        if loss is not None and self.cfg.log_every_steps and self.step % self.cfg.log_every_steps == 0:
+            opened, batches, _ = window
+            elapsed = time.perf_counter() - opened
+            samples_per_s = (self.batches_done - batches) * global_micro_batch / elapsed if elapsed > 0 else 0.0
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.pending_log = (self.step, HostCopy(loss.reshape(1)), lr, samples_per_s)
 
     def _run_batch(self, inputs, targets, sync):
         inputs = inputs.to(self.ctx.device, non_blocking=True)
@@ -388,27 +477,69 @@ class Trainer:
             ) from None
 
     def _optimizer_step(self):
-        """Clip, step and schedule; returns whether all ranks agreed to stop after this step."""
-        cfg = self.cfg
-        finite = torch.isfinite(self.loss_totals[0])  # every micro-step's loss so far this epoch
-        if cfg.max_grad_norm > 0:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the loss-scaled ones
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            finite = finite & torch.isfinite(norm)
-        # One small all-reduce per optimizer step makes every rank take the same decision:
-        # a rank that stopped alone would leave the others waiting in the next all-reduce.
-        stop, non_finite = any_rank(self.stop.requested, ~finite, device=self.ctx.device)
-        if non_finite and cfg.amp != "fp16":  # fp16: the scaler skips the step and lowers the scale
-            raise TrainingError(
-                f"loss or gradients are not finite at optimizer step {self.step + 1} (epoch {self.epoch + 1}); "
-                "lower --lr or set --max_grad_norm"
-            )
+        """Clip, step and schedule, then act on the previous step's agreement (see _settle).
+
+        Returns whether all ranks agreed to stop. Every decision that ends or skips work is
+        agreed by one small all-reduce per step, so no rank stops alone while the others wait
+        in the next all-reduce. It runs while the next step is computed and is read one step
+        later: the host never waits for the device. A stop therefore takes effect one or two
+        optimizer steps after the signal; a non-finite step is caught one step later, before
+        any checkpoint can hold it.
+        """
+        cfg, fp16 = self.cfg, self.scaler.is_enabled()
+        norm = None
+        if cfg.max_grad_norm > 0 or fp16:
+            self.scaler.unscale_(self.optimizer)  # the true gradients: to clip, and to see fp16 overflow
+            parameters = [p for p in self.model.parameters() if p.grad is not None]
+            if cfg.max_grad_norm > 0:
+                norm = torch.nn.utils.clip_grad_norm_(parameters, cfg.max_grad_norm)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+        self.samples_seen += self.global_batch
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, cfg, self.total_steps)
-        self.scaler.step(self.optimizer)
+            group["lr"] = lr_at(self.samples_seen, cfg, self.plan)
+        scale = self.scaler.get_scale() if fp16 else None  # fp16 syncs anyway: GradScaler.step reads found_inf
+        self.scaler.step(self.optimizer)  # fp16: skipped when the gradients overflowed
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        low_scale = too_many_skips = False
+        if fp16:
+            new_scale = self.scaler.get_scale()
+            self.skipped_in_a_row = self.skipped_in_a_row + 1 if new_scale < scale else 0
+            low_scale = new_scale < cfg.min_loss_scale
+            too_many_skips = 0 < cfg.max_skipped_steps <= self.skipped_in_a_row
+        grads_not_finite = ~torch.isfinite(norm) if norm is not None else False
+        flags = (self.stop.requested, ~torch.isfinite(self.loss_totals[0]), grads_not_finite, low_scale, too_many_skips)
+        previous, self.pending = self.pending, (self.step, Agreement(flags, self.ctx.device))
+        return self._act_on(previous)
+
+    def _settle(self):
+        """Read the last step's agreement now (before a checkpoint or the epoch's end); returns
+        whether all ranks agreed to stop."""
+        previous, self.pending = self.pending, None
+        return self._act_on(previous)
+
+    def _act_on(self, pending):
+        if pending is None:
+            return False
+        step, agreement = pending
+        stop, loss_not_finite, grads_not_finite, low_scale, too_many_skips = agreement.result()
+        fp16 = self.scaler.is_enabled()
+        where = f"at optimizer step {step} (epoch {self.epoch + 1})"
+        fixes = "lower --lr or set --max_grad_norm" + (", or train with --amp bf16" if fp16 else "")
+        if loss_not_finite or (grads_not_finite and not fp16):  # fp16: an overflow skips the step
+            raise TrainingError(f"loss or gradients are not finite {where}; {fixes}")
+        if low_scale:
+            raise TrainingError(
+                f"the fp16 loss scale fell below --min_loss_scale {self.cfg.min_loss_scale:g} {where}: gradients "
+                f"overflow at any scale; {fixes}"
+            )
+        if too_many_skips:
+            raise TrainingError(
+                f"{self.cfg.max_skipped_steps} optimizer steps in a row skipped for fp16 overflow, up to step "
+                f"{step} (--max_skipped_steps); {fixes}"
+            )
         return stop
 
     def _reduce_train_loss(self):
@@ -436,6 +567,10 @@ class Trainer:
         loss_sum, correct, count = totals.tolist()
         return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(count)}
 
+    def close(self):
+        self.watchdog.close()
+        self.reporter.close()
+
 
 def run(cfg, ctx):
     """Train; returns the exit code. Everything holding process-group work (DDP's reducer)
@@ -452,29 +587,43 @@ def run(cfg, ctx):
     except Preempted as stop:
         report("stopped by %s at step %d; checkpoint saved, run the same command to resume", stop, trainer.step)
         return 128 + stop.signum
-    except RuntimeError as error:  # gloo and NCCL report a collective timeout as a RuntimeError
-        if trainer is None or "timed out" not in str(error).lower():
-            raise
-        log.error(
-            "a collective timed out after --timeout_seconds %d during %s: another rank stalled or died "
-            "(see the ranks' stacks above)",
-            cfg.timeout_seconds, trainer.watchdog.phase,
-        )  # fmt: skip
-        return 1
+    except Exception as error:
+        # The ranks are out of step. Log the root cause first, on this rank, with its
+        # traceback: whatever comes after (destroying the process group) may block on a
+        # peer that is gone.
+        if is_collective_timeout(error):
+            log.error(
+                "rank %d: a collective timed out after --timeout_seconds %d during %s: another rank stalled or "
+                "died (see the ranks' stacks above)",
+                ctx.rank, cfg.timeout_seconds, trainer.watchdog.phase if trainer else "start-up",
+            )  # fmt: skip
+        else:
+            log.error("rank %d failed", ctx.rank, exc_info=error)
+        raise ExitNow from error
     finally:
         if trainer is not None:
-            trainer.watchdog.close()
-            trainer.reporter.close()
+            trainer.close()
     return 0
 
 
 def main(argv=None):
     cfg = parse_config(argv)
-    ctx = setup_distributed(cfg.timeout_seconds)
+    ctx = setup_distributed(cfg.timeout_seconds, trace_dir=Path(cfg.output_dir) / "nccl_trace")
     try:
-        return run(cfg, ctx)
-    finally:
-        cleanup_distributed()
+        code = run(cfg, ctx)
+    except ExitNow:
+        exit_now(1)
+    cleanup_distributed()
+    return code
+
+
+def exit_now(code):
+    """Exit at once, the logs flushed, without destroying the process group: after an error a
+    peer may be gone, and waiting for it would hide nothing but could block forever."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,21 @@
-"""Shared helpers: run train.py for real, as one process or under torchrun with gloo on CPU."""
+"""Shared helpers: run train.py for real, as one process or under torchrun with gloo on CPU.
 
+Every process a test starts ends with the test, whatever happens: torchrun starts its workers
+in sessions of their own, so killing torchrun (or its process group) does not reach them. This
+process is made the "subreaper" of everything it starts (workers whose torchrun died are
+handed to it, not to init), and after each test every process it started and left running
+is killed by PID (`end_leftover_processes`).
+"""
+
+import ctypes
+import functools
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,10 +49,20 @@ def training_env(env=None):
 
 
 def run_training(output_dir, *args, nproc=1, probe=None, timeout=180, env=None, check=True, torchrun_args=()):
-    """Run training to the end; returns the CompletedProcess (raises if it failed and `check`)."""
+    """Run training to the end; returns the CompletedProcess (raises if it failed and `check`).
+
+    Past `timeout` seconds the whole job, workers included, is killed and TimeoutExpired raised.
+    """
     command = training_command(output_dir, *args, nproc=nproc, probe=probe, torchrun_args=torchrun_args)
-    env = training_env(env)
-    result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=timeout)
+    process = subprocess.Popen(command, cwd=PROJECT, env=training_env(env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:  # timed out or interrupted: torchrun and its workers, by PID
+        kill_tree(process.pid)
+        process.wait()
+        raise
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
@@ -72,3 +94,141 @@ def two_process_run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("two_process_run")
     result = run_training(output_dir, "--epochs", "3", "--log_every_steps", "4", nproc=2)
     return output_dir, result
+
+
+# --- runs that stop and resume (test_resilience.py, test_preemption.py) -------------------
+
+# 1024 samples, global batch 64: 16 optimizer steps per epoch, 48 in all; a checkpoint every
+# 4 steps, all kept, so tests can resume from any of them.
+ARGS = ["--amp", "none", "--epochs", "3", "--checkpoint_every_steps", "4", "--keep_checkpoints", "100"]
+TWO = ["--batch_size", "32"]  # with 2 processes
+ONE = ["--batch_size", "64"]  # with 1 process: the same global batch
+
+
+class ReferenceRuns:
+    """Uninterrupted runs, each made the first time a test asks for it: `two` (2 processes x
+    32) and `one` (1 process x 64, the same global batch)."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+
+    @functools.cached_property
+    def two(self):
+        output_dir = self.tmp_path_factory.mktemp("reference_two")
+        run_training(output_dir, *ARGS, *TWO, nproc=2)
+        return output_dir
+
+    @functools.cached_property
+    def one(self):
+        output_dir = self.tmp_path_factory.mktemp("reference_one")
+        run_training(output_dir, *ARGS, *ONE)
+        return output_dir
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return ReferenceRuns(tmp_path_factory)
+
+
+def checkpoint(output_dir, step):
+    return output_dir / "checkpoints" / f"step_{step:09d}.pt"
+
+
+def start_from(source_checkpoint, output_dir):
+    """An output folder whose newest checkpoint is `source_checkpoint`, as if the run had stopped there."""
+    (output_dir / "checkpoints").mkdir(parents=True)
+    shutil.copy(source_checkpoint, output_dir / "checkpoints" / "last.pt")
+    return output_dir
+
+
+def assert_same_parameters(output_dir, reference_dir):
+    ours, theirs = load_final_model(output_dir), load_final_model(reference_dir)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from the uninterrupted run"
+
+
+TIMINGS = {"samples_per_s", "data_wait_s", "compute_s", "cpu_s", "peak_memory_mb", "mfu"}  # differ run to run
+
+
+def assert_same_metrics(output_dir, reference_dir):
+    """The metrics lines present in `output_dir` equal the reference's lines for those epochs."""
+    ours = read_metrics(output_dir)
+    theirs = {m["epoch"]: m for m in read_metrics(reference_dir)}
+    assert ours, "no metrics written"
+    for line in ours:
+        expected = theirs[line["epoch"]]
+        assert {k: v for k, v in line.items() if k not in TIMINGS} == {
+            k: v for k, v in expected.items() if k not in TIMINGS
+        }
+
+
+def saved_step(output_dir):
+    state = torch.load(output_dir / "checkpoints" / "last.pt", weights_only=True)
+    return state["step"], state["epoch"], state["batches_done"]
+
+
+def wait_for(path, process, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert process.poll() is None, f"training ended (rc {process.returncode}) before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+# --- no process outlives its test --------------------------------------------------------
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper():
+    """Orphans among our descendants (workers whose torchrun was killed) become our children."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: leftovers are then found only while torchrun lives
+        pass
+
+
+become_subreaper()
+
+
+def descendants(pid):
+    """PIDs of every living descendant of `pid`, from /proc."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid):
+    """SIGKILL `pid` and all its descendants, by PID (descendants first: once `pid` is gone,
+    its children can no longer be found from it)."""
+    for target in [*descendants(pid), pid]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def end_leftover_processes():
+    """After each test, kill every process it started that still runs (fixtures of a wider
+    scope, started before, are left alone), and reap those handed to us."""
+    before = set(descendants(os.getpid()))
+    yield
+    leftovers = set(descendants(os.getpid())) - before
+    for pid in leftovers:
+        kill_tree(pid)
+    for pid in leftovers:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:  # not our child (its own parent reaps it), or reaped already
+            pass

@@ -7,6 +7,7 @@ Probes change nothing in the product code: they wrap its functions from the outs
 Rank 0 prints results as lines starting with "PROBE ".
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,24 @@ import train  # noqa: E402
 from model import build_model  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
+LAST_RANK = int(os.environ.get("WORLD_SIZE", 1)) - 1
+
+
+def training_call(loss):
+    """Whether a loss comes from a training micro-step (not evaluation, not the FLOP count)."""
+    return torch.is_grad_enabled() and loss.device.type != "meta"
+
+
+class InfiniteGradient(torch.autograd.Function):
+    """Identity forward; backward makes the gradient infinite, as an fp16 overflow would."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
 
 
 def probe_print(**values):
@@ -55,10 +74,82 @@ def nan_on_rank1():
 
     def cross_entropy(*args, **kwargs):
         loss = original(*args, **kwargs)
+        if not training_call(loss):
+            return loss
         calls.append(1)
         return loss * float("nan") if RANK == 1 and len(calls) == 3 else loss
 
     torch.nn.functional.cross_entropy = cross_entropy
+
+
+def overflow_gradients(on_calls):
+    """The last rank's gradients overflow (inf) in its training micro-steps `on_calls`
+    (1-based); the loss itself stays finite. The all-reduce spreads the inf to every rank, as
+    in real fp16."""
+    original = torch.nn.functional.cross_entropy
+    calls = []
+
+    def cross_entropy(*args, **kwargs):
+        loss = original(*args, **kwargs)
+        if not training_call(loss):
+            return loss
+        calls.append(1)
+        return InfiniteGradient.apply(loss) if RANK == LAST_RANK and on_calls(len(calls)) else loss
+
+    torch.nn.functional.cross_entropy = cross_entropy
+
+
+def overflow_once():
+    """One overflowing step: the last rank's 3rd micro-step."""
+    overflow_gradients(lambda call: call == 3)
+
+
+def overflow_from_step3():
+    """Every step overflows from the last rank's 3rd micro-step on (a diverged fp16 run)."""
+    overflow_gradients(lambda call: call >= 3)
+
+
+def fail_on_rank1():
+    """Rank 1 alone raises an unexpected error in its 3rd micro-step; rank 0 goes on into the
+    gradient all-reduce and finds its peer gone."""
+    original = train.Trainer._run_batch
+    calls = []
+
+    def run_batch(self, *args, **kwargs):
+        calls.append(1)
+        if RANK == 1 and len(calls) == 3:
+            raise ValueError("injected failure on rank 1")
+        return original(self, *args, **kwargs)
+
+    train.Trainer._run_batch = run_batch
+
+
+def slow_loss():
+    """Sleep 200 ms in each training micro-step's loss: a slow run that a test can join, signal
+    or kill mid-way. It patches torch, so it also works through tests/sitecustomize.py."""
+    original = torch.nn.functional.cross_entropy
+
+    def cross_entropy(*args, **kwargs):
+        loss = original(*args, **kwargs)
+        if training_call(loss):
+            time.sleep(0.2)
+        return loss
+
+    torch.nn.functional.cross_entropy = cross_entropy
+
+
+def slow_checkpoint_write():
+    """Rank 0 takes 35 s to write each checkpoint (a slow network file system): longer than
+    torchrun's default 30 s grace after a signal, and than a short --timeout_seconds."""
+    original = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if RANK == 0 and str(getattr(f, "name", "")).endswith(".pt.tmp"):
+            print("PROBE slow checkpoint write started", flush=True)
+            time.sleep(35)
+        return original(obj, f, *args, **kwargs)
+
+    torch.save = save
 
 
 def stop_on_rank1():
@@ -128,21 +219,36 @@ def slow():
     train.Trainer._run_batch = run_batch
 
 
-def crash_in_third_save():
-    """The 3rd checkpoint write dies halfway (SIGKILL, as on a node failure or a full disk)."""
+def crash_in_checkpoint_write():
+    """The CRASH_AT_WRITE-th write of a checkpoint file (default 3), whatever its name (the
+    numbered file, its temporary file, last.pt), dies halfway: SIGKILL, as on a node failure."""
     original = torch.save
+    crash_at = int(os.environ.get("CRASH_AT_WRITE", 3))
     calls = []
 
     def save(obj, f, *args, **kwargs):
-        if str(getattr(f, "name", "")).endswith(".pt.tmp"):  # checkpoint files, not in-memory pickles
-            calls.append(1)
-        if len(calls) == 3:
-            f.write(b"PK\x03\x04 half a checkpoint")
-            f.flush()
+        name = str(getattr(f, "name", f))
+        if name.endswith((".pt", ".pt.tmp")):  # checkpoint files, not in-memory pickles
+            calls.append(name)
+        if len(calls) == crash_at:
+            with open(name, "wb") if isinstance(f, (str, Path)) else contextlib.nullcontext(f) as out:
+                out.write(b"PK\x03\x04 half a checkpoint")
+                out.flush()
+                os.fsync(out.fileno())
             os.kill(os.getpid(), signal.SIGKILL)
         return original(obj, f, *args, **kwargs)
 
     torch.save = save
+
+
+def with_dropout():
+    """The model draws from the global random generator every step: dropout on its inputs."""
+    original = train.build_model
+
+    def build_model(cfg):
+        return nn.Sequential(nn.Dropout(0.2), original(cfg))
+
+    train.build_model = build_model
 
 
 def stall_rank1():
@@ -176,7 +282,8 @@ def count_compressed_bytes():
 PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip)
-    + (slow, crash_in_third_save, stall_rank1, count_compressed_bytes)
+    + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
+    + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write)
 }
 
 if __name__ == "__main__":

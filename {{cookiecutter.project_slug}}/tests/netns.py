@@ -201,6 +201,11 @@ class TwoHosts:
         except OSError:
             pass
 
+    def kill_host(self, host):
+        """SIGKILL every process on `host`, as if the machine had gone (the link stays up)."""
+        if not _kill_processes_in(self.namespaces[host]):
+            raise RuntimeError(f"processes on host {host} survived SIGKILL")
+
     def command(self, host, args):
         """`args` wrapped to run on `host`: in its network namespace, with its hostname."""
         set_hostname = 'hostname "$0" && exec "$@"'

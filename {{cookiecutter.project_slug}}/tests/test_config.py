@@ -4,7 +4,7 @@ import sys
 import pytest
 from conftest import PROJECT, run_training
 
-from config import Config, parse_config
+from config import Config, ConfigError, parse_config
 
 CONTRACT_FIELDS = (
     "seed epochs batch_size lr num_workers amp grad_accum_steps output_dir resume "
@@ -35,26 +35,52 @@ def test_config_is_frozen():
         Config().lr = 1.0
 
 
+# Negative values are written `--flag=-1e-3`: argparse reads a separate "-1e-3" as a flag.
 @pytest.mark.parametrize(
-    "args, field",
+    "args, field, problem",
     [
-        (["--batch_size", "0"], "batch_size"),
-        (["--lr", "0"], "lr"),
-        (["--lr", "-1e-3"], "lr"),
-        (["--amp", "fp8"], "amp"),
-        (["--epochs", "-1"], "epochs"),
-        (["--epochs", "two"], "epochs"),
-        (["--find_unused_parameters", "maybe"], "find_unused_parameters"),
-        (["--no_such_field", "1"], "no_such_field"),
+        (["--batch_size", "0"], "batch_size", "must be at least 1"),
+        (["--lr", "0"], "lr", "must be greater than 0"),
+        (["--lr=-1e-3"], "lr", "must be greater than 0"),
+        (["--amp", "fp8"], "amp", "invalid choice"),
+        (["--epochs=-1"], "epochs", "must be at least 1"),
+        (["--epochs", "two"], "epochs", "invalid int value"),
+        (["--weight_decay=-1e-2"], "weight_decay", "must not be negative"),
+        (["--min_lr_ratio=1.5"], "min_lr_ratio", "must be between 0 and 1"),
+        (["--min_loss_scale=-1e-4"], "min_loss_scale", "must not be negative"),
+        (["--max_skipped_steps=-1"], "max_skipped_steps", "must not be negative"),
+        (["--checkpoint_timeout_seconds", "0"], "checkpoint_timeout_seconds", "must be at least 1"),
+        (["--find_unused_parameters", "maybe"], "find_unused_parameters", "invalid bool value"),
+        (["--static_graph", "true", "--grad_accum_steps", "2"], "static_graph", "--grad_accum_steps > 1"),
+        (["--comm_hook", "powersgd", "--amp", "fp16"], "comm_hook", "cannot run with --amp fp16"),
+        (["--no_such_field", "1"], "no_such_field", "unrecognized arguments"),
     ],
 )
-def test_bad_values_exit_with_one_line_naming_the_field(args, field, capsys):
+def test_bad_values_exit_with_one_line_naming_the_field(args, field, problem, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_config(args)
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert f"--{field}" in err
+    assert f"--{field}" in err and problem in err, err
+
+
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        ({"lr": -1e-3}, "lr"),
+        ({"epochs": -1}, "epochs"),
+        ({"weight_decay": -0.01}, "weight_decay"),
+        ({"min_loss_scale": -1.0}, "min_loss_scale"),
+        ({"static_graph": True, "grad_accum_steps": 2}, "static_graph"),
+        ({"comm_hook": "powersgd", "amp": "fp16"}, "comm_hook"),
+    ],
+)
+def test_bad_values_are_refused_by_config_itself(values, field):
+    """The same checks hold for code that builds a Config directly (sweeps, tests)."""
+    with pytest.raises(ConfigError) as error:
+        Config(**values)
+    assert error.value.field == field and str(error.value).startswith(f"--{field} ")
 
 
 def test_bad_value_under_torchrun_is_reported_once(tmp_path):

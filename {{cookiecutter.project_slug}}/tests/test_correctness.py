@@ -142,32 +142,65 @@ def test_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
     assert "Traceback" not in result.stdout
 
 
-def test_fp16_skips_the_overflowing_step_and_goes_on(tmp_path):
-    run_training(tmp_path, "--amp", "fp16", nproc=2, probe="nan_on_rank1")
+def test_fp16_skips_an_overflowing_step_and_goes_on(tmp_path):
+    run_training(tmp_path, "--amp", "fp16", probe="overflow_once")
     state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert state["scaler"]["scale"] == 2.0**15  # halved once from 2**16 by the skipped step
     assert all(torch.isfinite(value).all() for value in state["model"].values())
-    assert all(math.isfinite(m["train_loss"]) or m["epoch"] == 1 for m in read_metrics(tmp_path))
+    assert all(math.isfinite(m["train_loss"]) for m in read_metrics(tmp_path))  # the skip is no NaN loss
+
+
+FP16_FAILURES = {
+    # A NaN loss is not an overflow the scaler can fix: every rank stops, under fp16 too.
+    "nan_loss": (2, "nan_on_rank1", [], "loss or gradients are not finite at optimizer step 3"),
+    # Diverged: the loss becomes inf/NaN (the issue's --lr 10000 without clipping).
+    "diverged": (1, None, ["--lr", "10000", "--max_grad_norm", "0"], "loss or gradients are not finite at optimizer"),
+    # Every step overflows: the scale halves each step from 2**16 and passes the floor (1) on
+    # the 17th skip, step 19.
+    "scale_floor": (1, "overflow_from_step3", [], "fp16 loss scale fell below --min_loss_scale 1 at optimizer step 19"),
+    "skips_in_a_row": (
+        1,
+        "overflow_from_step3",
+        ["--max_skipped_steps", "5"],
+        "5 optimizer steps in a row skipped for fp16 overflow, up to step 7 (--max_skipped_steps)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FP16_FAILURES)
+def test_fp16_failure_stops_every_rank_with_one_line_naming_the_knobs(tmp_path, case):
+    nproc, probe, args, message = FP16_FAILURES[case]
+    result = run_training(tmp_path, "--amp", "fp16", "--timeout_seconds", "30", *args, nproc=nproc, probe=probe,
+                          check=False, timeout=90)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert result.stdout.count(message) == 1, output
+    (line,) = [line for line in result.stdout.splitlines() if message in line]
+    assert "--lr" in line and "--amp bf16" in line  # the knobs to change
+    assert 'train.py", line' not in output  # no rank's traceback (torchrun's own summary may follow)
 
 
 def test_stop_request_on_one_rank_stops_every_rank_together(tmp_path):
     result = run_training(tmp_path, "--amp", "none", "--timeout_seconds", "30", nproc=2, probe="stop_on_rank1",
                           check=False, timeout=90)  # fmt: skip
     assert result.returncode != 0
-    assert "stopped by SIGTERM at step 3" in result.stdout
+    # Seen by rank 1 in step 3, agreed in step 3's all-reduce, read (without waiting for it)
+    # after step 4: every rank stops at step 4.
+    assert "stopped by SIGTERM at step 4" in result.stdout
     state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
-    assert (state["step"], state["epoch"], state["batches_done"]) == (3, 0, 3)
+    assert (state["step"], state["epoch"], state["batches_done"]) == (4, 0, 4)
 
 
-@pytest.mark.parametrize("amp", ["none", "fp16"])
-def test_clipping_sees_the_true_gradient_norm(tmp_path, amp):
-    """fp16 must unscale before clipping: the norm it clips is that of the fp32 run, not 65536x."""
-    result = run_training(tmp_path, "--amp", amp, "--max_grad_norm", "0.01", probe="record_clip")
-    (clip,) = probe_output(result)
-    reference = run_training(tmp_path / "ref", "--amp", "none", "--max_grad_norm", "0.01", probe="record_clip")
+def test_clipping_sees_the_true_gradient_norm(tmp_path):
+    """Clipping acts on the true gradients: fp16 unscales first, so the norm it clips is that of
+    the fp32 run, not 65536 times larger, and after clipping the norm is max_grad_norm."""
+    reference = run_training(tmp_path / "none", "--amp", "none", "--max_grad_norm", "0.01", probe="record_clip")
     (expected,) = probe_output(reference)
+    scaled = run_training(tmp_path / "fp16", "--amp", "fp16", "--max_grad_norm", "0.01", probe="record_clip")
+    (clip,) = probe_output(scaled)
     assert clip["before"] == pytest.approx(expected["before"], rel=0.05)
-    assert clip["after"] == pytest.approx(0.01, rel=1e-3)
+    for run in (clip, expected):
+        assert run["after"] == pytest.approx(0.01, rel=1e-3)
 
 
 def test_unused_parameters_error_names_the_fix(tmp_path):
@@ -176,4 +209,4 @@ def test_unused_parameters_error_names_the_fix(tmp_path):
     output = result.stdout + result.stderr
     assert output.count("set --find_unused_parameters true") == 1, output
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in output
-    run_training(tmp_path / "fixed", "--amp", "none", "--find_unused_parameters", "true", nproc=2, probe="unused_param")
+    run_training(tmp_path / "fixed", "--amp", "none", "--find_unused_parameters", "true", probe="unused_param")

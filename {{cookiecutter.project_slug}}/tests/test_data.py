@@ -62,3 +62,12 @@ def test_dataset_is_deterministic_from_seed():
     c, _ = build_datasets(Config(seed=2))
     assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
     assert not torch.equal(a.inputs, c.inputs)
+
+
+def test_only_the_training_loader_keeps_its_workers():
+    """Persistent workers for training (every epoch); the validation loader's workers end after
+    each evaluation instead of holding memory for the whole run."""
+    cfg = Config(num_workers=2, persistent_workers=True, train_samples=128, val_samples=64)
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    train_loader, val_loader = build_loaders(cfg, ctx)
+    assert train_loader.persistent_workers and not val_loader.persistent_workers

@@ -4,11 +4,14 @@ import subprocess
 import time
 
 import pytest
+import torch
 from conftest import PROJECT, run_training, training_env
 
+import ddp_utils
 import preflight
 
 
+@pytest.mark.fixed_amp
 def test_stalled_rank_fails_the_job_within_the_timeout_with_stacks(tmp_path):
     started = time.monotonic()
     result = run_training(tmp_path, "--amp", "none", "--timeout_seconds", "5", nproc=2, probe="stall_rank1",
@@ -23,6 +26,56 @@ def test_stalled_rank_fails_the_job_within_the_timeout_with_stacks(tmp_path):
     assert 'ddp_probe.py", line' in output and "in run_batch" in output  # rank 1's stack: the stall
     assert "in backward" in output  # rank 0's stack: waiting for the gradient all-reduce
     assert "a collective timed out after --timeout_seconds 5" in output
+
+
+@pytest.mark.fixed_amp
+def test_an_unexpected_error_is_logged_first_and_nothing_waits_for_the_dead_rank(tmp_path):
+    """Rank 1 raises in its 3rd micro-step. Its traceback is logged once, before anything else
+    it does, and the job ends at once: rank 0 finds its peer gone in the gradient all-reduce
+    and ends too, without waiting for the collective timeout (60 s here)."""
+    started = time.monotonic()
+    result = run_training(tmp_path, "--amp", "none", "--timeout_seconds", "60", nproc=2, probe="fail_on_rank1",
+                          check=False, timeout=120)  # fmt: skip
+    elapsed = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and elapsed < 45, (elapsed, output)
+    assert output.count("[rank 1] ERROR rank 1 failed") == 1, output
+    assert output.count("ValueError: injected failure on rank 1") == 1, output  # no second traceback
+    assert output.index("[rank 1] ERROR rank 1 failed") < output.index("ValueError: injected failure")
+
+
+def test_collective_timeouts_are_told_apart_from_other_timeouts():
+    gloo = RuntimeError(
+        "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"
+    )
+    nccl = RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)")
+    assert ddp_utils.is_collective_timeout(gloo) and ddp_utils.is_collective_timeout(nccl)
+    for other in (
+        RuntimeError("DataLoader timed out after 30 seconds"),
+        TimeoutError("timed out"),
+        OSError("[Errno 110] Connection timed out: '/mnt/nfs/data'"),
+    ):
+        assert not ddp_utils.is_collective_timeout(other)
+
+
+def test_each_process_trains_on_the_gpu_it_was_given(monkeypatch):
+    """LOCAL_RANK picks among the GPUs a process sees; when a scheduler shows each process only
+    its own GPU (srun --gpus-per-task=1), that one is cuda:0 whatever LOCAL_RANK is."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert ddp_utils.pick_device(3) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert ddp_utils.pick_device(3) == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK 3 but this process sees 2 GPUs"):
+        ddp_utils.pick_device(3)
+
+
+def test_slurm_job_ports_stay_below_the_ephemeral_range():
+    ports = [ddp_utils.job_port(job_id) for job_id in range(0, 200_000, 7)]
+    assert min(ports) >= 20000 and max(ports) < 32768
+    sbatch = PROJECT / "scripts" / "slurm.sbatch"
+    if sbatch.exists():  # slurm=yes: the same formula
+        assert "$((20000 + SLURM_JOB_ID % 12768))" in sbatch.read_text()
 
 
 def test_preflight_on_one_machine_prints_table_and_verdict():

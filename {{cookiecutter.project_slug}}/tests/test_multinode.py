@@ -16,7 +16,10 @@ from pathlib import Path
 import netns
 import pytest
 import torch
-from conftest import PROJECT, TINY, load_final_model, read_metrics, run_training, training_env
+from conftest import PROJECT, TINY, kill_tree, load_final_model, read_metrics, run_training, training_env
+
+import train
+from config import Config
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
@@ -65,9 +68,8 @@ def run_nodes(start, envs, output_dir, logs_dir):
         assert all(p.returncode == 0 for p in processes), describe(processes, logs)
     finally:
         for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)  # the node's torchrun and its workers
-                process.wait()
+            kill_tree(process.pid)  # the node's torchrun and its workers (in sessions of their own)
+            process.wait()
     return [log.read_text() for log in logs]
 
 
@@ -168,6 +170,85 @@ def test_elastic_rendezvous_across_two_hosts_equals_one_node(reference, hosts, t
     output = run_nodes(start_on(hosts), [env, env], tmp_path / "run", tmp_path)
     assert f"c10d rendezvous at {endpoint}" in output[1]
     assert_same_as(reference, tmp_path / "run")
+
+
+# --- elastic membership changes: a host joins, a host is lost ----------------------------
+
+# 1024 samples, batch 32 per process, 3 epochs: 32 steps an epoch on one host, 16 on two. A
+# checkpoint every 4 steps; each training micro-step sleeps 200 ms (tests/ddp_probe.py
+# slow_loss, installed through tests/sitecustomize.py), so the run lasts while hosts change.
+ELASTIC = [*TINY, *ARGS, "--epochs", "3", "--checkpoint_every_steps", "4", "--keep_checkpoints", "100"]
+ELASTIC += ["--timeout_seconds", "30"]
+
+
+def elastic_env(hosts):
+    """NNODES=1:2 on a c10d rendezvous at host 0, with short rendezvous waits for the test."""
+    endpoint = f"{hosts.addresses[0]}:{PORT}"
+    conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"  # a lost host is noticed in 3 s
+    env = launch_env(NNODES="1:2", NPROC_PER_NODE=1, RDZV_ENDPOINT=endpoint, RDZV_ID=f"elastic{os.getpid()}",
+                     MAX_RESTARTS=3, RDZV_CONF=conf)  # fmt: skip
+    return {**env, "GLOO_SOCKET_IFNAME": hosts.ifname, "PYTHONPATH": "tests", "DDP_PROBE": "slow_loss"}
+
+
+def start_elastic_node(hosts, node, output_dir, logs_dir):
+    log = open(Path(logs_dir) / f"node{node}.log", "w")
+    command = [LAUNCH, *ELASTIC, "--output_dir", str(output_dir)]
+    return hosts.popen(node, command, env=elastic_env(hosts), cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for_checkpoint(output_dir, step, processes, logs):
+    path = Path(output_dir) / "checkpoints" / f"step_{step:09d}.pt"
+    deadline = time.monotonic() + TIMEOUT
+    while not path.exists():
+        assert all(p.poll() is None for p in processes) and time.monotonic() < deadline, describe(processes, logs)
+        time.sleep(0.1)
+
+
+def assert_epochs_once_and_lr_on_course(output_dir):
+    """Every epoch logged once; each epoch ends at the lr of its sample count in one
+    uninterrupted run (give or take the global batch of 64 samples that a resume at the
+    nearest whole global batch may repeat or skip), the last one at the floor."""
+    metrics = read_metrics(output_dir)
+    assert [m["epoch"] for m in metrics] == [1, 2, 3]
+    cfg, plan = Config(lr=0.01), train.Plan(total_samples=3 * 1024, warmup_samples=0)
+    for line in metrics:
+        samples = 1024 * line["epoch"]
+        nearby = [train.lr_at(samples + delta, cfg, plan) for delta in range(-64, 65, 32) if samples + delta <= 3072]
+        assert min(nearby) - 1e-12 <= line["lr"] <= max(nearby) + 1e-12, (line, nearby)
+    assert metrics[-1]["lr"] == pytest.approx(0.001)
+
+
+def test_elastic_job_takes_in_a_host_that_joins_mid_run(hosts, tmp_path):
+    """Host 0 trains alone (world size 1); host 1 joins at step 8. torchrun stops host 0's
+    worker (SIGTERM: a mid-epoch checkpoint) and starts both; the group of two resumes it with
+    twice the global batch, and the job completes."""
+    output_dir, logs = tmp_path / "run", [tmp_path / "node0.log", tmp_path / "node1.log"]
+    first = start_elastic_node(hosts, 0, output_dir, tmp_path)
+    wait_for_checkpoint(output_dir, 8, [first], logs[:1])
+    second = start_elastic_node(hosts, 1, output_dir, tmp_path)
+    processes = [first, second]
+    codes = [p.wait(timeout=TIMEOUT) for p in processes]
+    assert codes == [0, 0], describe(processes, logs)
+    output = "".join(log.read_text() for log in logs)  # rank 0 of the new group may be on either host
+    assert "stopped by SIGTERM" in output and "resumed from" in output, output
+    final = torch.load(output_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert final["world_size"] == 2 and final["epoch"] == 3
+    assert_epochs_once_and_lr_on_course(output_dir)
+
+
+def test_elastic_job_goes_on_when_a_host_is_lost_mid_run(hosts, tmp_path):
+    """Two hosts train; at step 8 every process of host 1 is killed (the host is gone). Host
+    0's worker finds its peer gone, torchrun restarts it, the rendezvous forms a group of one,
+    which resumes from the newest checkpoint with half the global batch and completes."""
+    output_dir, logs = tmp_path / "run", [tmp_path / "node0.log", tmp_path / "node1.log"]
+    processes = [start_elastic_node(hosts, node, output_dir, tmp_path) for node in (0, 1)]
+    wait_for_checkpoint(output_dir, 8, processes, logs)
+    hosts.kill_host(1)
+    assert processes[0].wait(timeout=TIMEOUT) == 0, describe(processes, logs)
+    final = torch.load(output_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert final["world_size"] == 1 and final["epoch"] == 3
+    assert "resumed from" in logs[0].read_text()
+    assert_epochs_once_and_lr_on_course(output_dir)
 
 
 # --- the preflight across two hosts -------------------------------------------------------

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import PROJECT, TINY, probe_output, read_metrics, run_training, training_env
 
 import metrics
@@ -22,9 +23,13 @@ from model import build_model
 pytestmark = pytest.mark.fixed_amp
 
 
-def test_flops_per_sample_counts_every_weight_three_times_two():
-    model = build_model(Config(input_dim=8, hidden_dim=16, num_classes=4))
-    assert metrics.flops_per_sample(model) == 6 * (8 * 16 + 16 * 16 + 16 * 4)
+def test_flops_per_sample_are_counted_as_the_model_runs():
+    """FlopCounterMode on a meta-device model: 2 FLOPs per weight forward, 2 for the weight
+    gradient, 2 for the input gradient, except the first layer's (inputs need no gradient)."""
+    cfg = Config(input_dim=8, hidden_dim=16, num_classes=4)
+    weights = 8 * 16 + 16 * 16 + 16 * 4
+    sample = (torch.zeros(8), torch.tensor(1))
+    assert metrics.flops_per_sample(cfg, sample, F.cross_entropy) == 6 * weights - 2 * 8 * 16
 
 
 def test_mfu_arithmetic():
@@ -33,11 +38,40 @@ def test_mfu_arithmetic():
     assert metrics.mfu(1e9, 400_000, 8, 0.0) is None  # unknown device: no estimate
 
 
-def test_peak_tflops_table_and_override():
-    assert metrics.peak_tflops("NVIDIA H200", "bf16") == 989.0
-    assert metrics.peak_tflops("NVIDIA A100-SXM4-80GB", "none") == 156.0
-    assert metrics.peak_tflops("Mystery GPU", "bf16") == 0.0
-    assert metrics.peak_tflops("NVIDIA H200", "bf16", override=500.0) == 500.0
+@pytest.mark.parametrize(
+    "device, amp, tf32, peak",
+    [
+        ("NVIDIA H200", "bf16", True, 989.0),
+        ("NVIDIA H200 NVL", "bf16", True, 835.0),
+        ("NVIDIA H100 80GB HBM3", "bf16", True, 989.0),  # SXM
+        ("NVIDIA H100 PCIe", "bf16", True, 756.0),
+        ("NVIDIA H100 NVL", "fp16", True, 835.0),
+        ("NVIDIA A100-SXM4-40GB", "bf16", True, 312.0),
+        ("NVIDIA A100 80GB PCIe", "bf16", True, 312.0),
+        ("NVIDIA L40S", "bf16", True, 362.0),
+        ("NVIDIA A100-SXM4-80GB", "none", True, 156.0),  # TF32 tensor cores
+        ("NVIDIA A100-SXM4-80GB", "none", False, 19.5),  # plain FP32
+        ("NVIDIA H100 80GB HBM3", "none", False, 67.0),
+        ("Tesla V100-SXM2-16GB", "none", True, 15.7),  # no TF32 on Volta
+        ("Mystery GPU", "bf16", True, 0.0),
+    ],
+)
+def test_peak_tflops_match_the_exact_device_and_precision(device, amp, tf32, peak):
+    assert metrics.peak_tflops(device, amp, tf32) == peak
+
+
+def test_peak_tflops_override():
+    assert metrics.peak_tflops("NVIDIA H200", "bf16", True, override=500.0) == 500.0
+
+
+def test_peak_memory_is_reset_for_each_epoch():
+    cpu = torch.device("cpu")
+    metrics.reset_peak_memory(cpu)
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    high = metrics.peak_memory_mb(cpu)
+    del block
+    metrics.reset_peak_memory(cpu)
+    assert metrics.peak_memory_mb(cpu) < high - 32
 
 
 def run_on_a_terminal(tmp_path, *args, nproc=2):
@@ -71,7 +105,7 @@ def test_progress_bar_on_a_terminal_only_from_rank_zero(tmp_path):
 
 
 def test_no_progress_bar_when_disabled_or_not_a_terminal(tmp_path):
-    assert "100%" not in run_on_a_terminal(tmp_path / "off", "--progress_bar", "false")
+    assert "100%" not in run_on_a_terminal(tmp_path / "off", "--progress_bar", "false", nproc=1)
     piped = run_training(tmp_path / "piped", nproc=1)
     assert "100%" not in piped.stdout + piped.stderr
 
@@ -86,7 +120,7 @@ def test_progress_bar_is_never_shown_by_other_ranks(monkeypatch, tmp_path):
 def test_tensorboard_events_are_written_when_enabled(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_training(tmp_path, "--tensorboard", "true", "--log_every_steps", "4", nproc=2)
+    run_training(tmp_path, "--tensorboard", "true", "--log_every_steps", "4", "--batch_size", "64")
     (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
     accumulator = EventAccumulator(str(events))
     accumulator.Reload()
@@ -106,7 +140,7 @@ def test_tensorboard_missing_is_one_clear_error(tmp_path):
 
 
 def test_metrics_split_time_and_report_memory(tmp_path):
-    run_training(tmp_path, "--num_workers", "2", nproc=2)
+    run_training(tmp_path, "--num_workers", "2")
     for line in read_metrics(tmp_path):
         assert line["data_wait_s"] >= 0 and line["compute_s"] > 0 and line["peak_memory_mb"] > 50
         assert "mfu" not in line  # CPU: no peak to compare with
@@ -114,7 +148,8 @@ def test_metrics_split_time_and_report_memory(tmp_path):
 
 @pytest.mark.parametrize("hook, bytes_per_value", [("bf16", 2), ("fp16", 2)])
 def test_compression_hooks_halve_the_all_reduced_bytes(tmp_path, hook, bytes_per_value):
-    result = run_training(tmp_path, "--comm_hook", hook, "--epochs", "1", nproc=2, probe="count_compressed_bytes")
+    # One process still all-reduces (a group of one) through the hook: the bytes are the same.
+    result = run_training(tmp_path, "--comm_hook", hook, "--epochs", "1", probe="count_compressed_bytes")
     (counted,) = probe_output(result)
     parameters = sum(p.numel() for p in build_model(Config(hidden_dim=32)).parameters())
     steps = read_metrics(tmp_path)[-1]["step"]
@@ -123,7 +158,7 @@ def test_compression_hooks_halve_the_all_reduced_bytes(tmp_path, hook, bytes_per
 
 
 def test_powersgd_hook_trains(tmp_path):
-    run_training(tmp_path, "--comm_hook", "powersgd", nproc=2)
+    run_training(tmp_path, "--comm_hook", "powersgd", "--amp", "bf16")
     assert read_metrics(tmp_path)[-1]["val_accuracy"] > 0.4
 
 

@@ -19,6 +19,8 @@ import torch
 from conftest import PROJECT, TINY, load_final_model, read_metrics
 from slurm_cluster import FINISHED, slurm_fixture  # noqa: F401 (slurm_fixture: the `slurm` fixture)
 
+import ddp_utils
+
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
 # 1024 samples, global batch 2 x 32: 16 steps per epoch, 192 in all, a checkpoint after each
@@ -86,13 +88,15 @@ def batch_job(slurm, tmp_path_factory):
 
 def test_batch_script_trains_with_torchrun_on_one_node(slurm, batch_job):
     assert_succeeded(batch_job, slurm)
-    port = 20000 + batch_job.job_id % 20000
+    port = ddp_utils.job_port(batch_job.job_id)  # below the ephemeral range, as srun-style jobs
     started = re.search(
         rf"slurm.sbatch: job {batch_job.job_id} \(restart 0\) on (\S+), 2 process\(es\) per node", batch_job.log
     )
     assert started and started[1] in slurm.names, batch_job.log
     node = started[1]
     assert f"1 node(s) x 2 process(es), c10d rendezvous at {node}:{port} (id {batch_job.job_id})" in batch_job.log
+    # The script's own #SBATCH --signal=B:USR1@90 sets the stop grace: torchrun waits 90 - 10 s.
+    assert "workers get 80 s to stop" in batch_job.log
     metrics = read_metrics(batch_job.output_dir)
     assert [m["epoch"] for m in metrics] == list(range(1, EPOCHS + 1))
     assert metrics[-1]["step"] == 16 * EPOCHS and metrics[-1]["val_accuracy"] > 0.5

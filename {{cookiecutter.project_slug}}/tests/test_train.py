@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -65,6 +66,22 @@ def test_single_process_without_torchrun(tmp_path):
 
 
 @pytest.mark.fixed_amp
+def test_the_trainer_follows_the_schedule_from_the_first_step(tmp_path):
+    """Each optimizer step trains at lr_at(samples trained once it is done): with 4 warmup steps,
+    lr/4, lr/2, 3lr/4 and lr at steps 1 to 4 (not 0 at step 1: that step would be wasted)."""
+    result = run_training(tmp_path, "--amp", "none", "--epochs", "1", "--warmup_steps", "4", "--log_every_steps", "1",
+                          "--lr_schedule", "constant")  # fmt: skip
+    logged = re.findall(r"step (\d+) loss \S+ lr (\S+)", result.stdout)
+    assert [(int(step), float(lr)) for step, lr in logged[:5]] == [
+        (1, 0.0025),
+        (2, 0.005),
+        (3, 0.0075),
+        (4, 0.01),
+        (5, 0.01),
+    ]
+
+
+@pytest.mark.fixed_amp
 def test_amp_modes_train(tmp_path):
     for amp in ("bf16", "fp16"):
         run_training(tmp_path / amp, "--epochs", "1", "--amp", amp)
@@ -74,7 +91,7 @@ def test_amp_modes_train(tmp_path):
 
 def test_second_dataset_through_config(tmp_path):
     """The README's worked example: another dataset class, chosen with --dataset."""
-    run_training(tmp_path, "--dataset", "blobs", "--epochs", "1", nproc=2)
+    run_training(tmp_path, "--dataset", "blobs", "--epochs", "1")
     assert read_metrics(tmp_path)[0]["val_accuracy"] > 0.9
 
 

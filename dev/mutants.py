@@ -1,0 +1,310 @@
+"""Mutation check of the generated project's own test suite (not part of CI: minutes per bug).
+
+Bakes the template with its defaults, then for each mutant, one at a time: copies the project,
+applies one realistic bug (an exact text replacement that must match once, so a mutant that
+no longer fits the code fails loudly instead of passing silently), and runs the tests that
+should catch it. A mutant is *caught* when those tests fail. First, a control run checks that
+the same tests pass on the unchanged project. Prints a Markdown table.
+
+    bash dev/mutants.sh                        # every mutant, once
+    bash dev/mutants.sh --repeat 3             # each three times: "caught every time"
+    bash dev/mutants.sh no_sync_dropped rng_not_restored
+    bash dev/mutants.sh --list
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+TEMPLATE = Path(__file__).resolve().parent.parent
+TIMEOUT = 900  # seconds for one mutant's tests; a hang counts as caught only if the tests fail
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str
+    file: str
+    old: str
+    new: str
+    tests: tuple
+
+
+CORRECTNESS = "tests/test_correctness.py"
+RESILIENCE = "tests/test_resilience.py"
+
+MUTANTS = [
+    Mutant(
+        "sampler_ignores_epoch",
+        "every epoch sees the same order",
+        "dataset.py",
+        "manual_seed(mix_seed(self.seed, self.epoch))",
+        "manual_seed(mix_seed(self.seed, 0))",
+        ("tests/test_data.py::test_epochs_and_seeds_change_the_order",),
+    ),
+    Mutant(
+        "no_sync_dropped",
+        "gradients all-reduced on every micro-step",
+        "train.py",
+        "with contextlib.nullcontext() if sync else self.model.no_sync():",
+        "with contextlib.nullcontext():",
+        (f"{CORRECTNESS}::test_accumulation_all_reduces_once_per_optimizer_step",),
+    ),
+    Mutant(
+        "loss_not_divided_by_accumulation",
+        "accumulated gradients are grad_accum_steps times too large",
+        "train.py",
+        "self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()",
+        "self.scaler.scale(loss).backward()",
+        (f"{CORRECTNESS}::test_world_size_and_accumulation_give_the_same_parameters",),
+    ),
+    Mutant(
+        "per_rank_mean_evaluation",
+        "validation averages the ranks' averages",
+        "train.py",
+        "        dist.all_reduce(totals)  # sums and counts, not an average of per-rank averages\n",
+        "        totals[:2] /= totals[2]\n"
+        "        dist.all_reduce(totals)\n"
+        "        totals[:2] *= totals[2] / dist.get_world_size()\n",
+        (f"{CORRECTNESS}::test_evaluation_counts_every_sample_once",),
+    ),
+    Mutant(
+        "padded_validation",
+        "validation pads ranks to equal size (DistributedSampler)",
+        "dataset.py",
+        "val_sampler = range(ctx.rank, len(val_set), ctx.world_size)",
+        "val_sampler = [i % len(val_set) for i in range(ctx.rank, -(-len(val_set) // ctx.world_size) * "
+        "ctx.world_size, ctx.world_size)]",
+        ("tests/test_data.py::test_validation_covers_every_sample_once_for_any_world_size",),
+    ),
+    Mutant(
+        "non_atomic_save",
+        "checkpoints written in place",
+        "ddp_utils.py",
+        '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(tmp, "wb") as f:',
+        '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(path, "wb") as f:',
+        (f"{RESILIENCE}::test_a_crash_during_any_checkpoint_write_loses_nothing",),
+    ),
+    Mutant(
+        "non_atomic_last",
+        "last.pt written in place after the numbered file",
+        "ddp_utils.py",
+        "            _atomic_link(numbered, last, state)",
+        "            torch.save(state, last)",
+        (f"{RESILIENCE}::test_a_crash_during_any_checkpoint_write_loses_nothing",),
+    ),
+    Mutant(
+        "optimizer_not_restored",
+        "resume starts AdamW's moments afresh",
+        "train.py",
+        '        self.optimizer.load_state_dict(state["optimizer"])\n',
+        "",
+        (f"{RESILIENCE}::test_resume_mid_epoch_is_bit_identical",),
+    ),
+    Mutant(
+        "rng_not_restored",
+        "resume restarts the random generators",
+        "train.py",
+        '            set_rng_state(ranks[self.ctx.rank]["rng"])\n',
+        "",
+        (f"{RESILIENCE}::test_resume_mid_epoch_restores_the_random_generators",),
+    ),
+    Mutant(
+        "stop_decided_alone",
+        "a rank acts on its own stop request without the others",
+        "train.py",
+        '                f"{step} (--max_skipped_steps); {fixes}"\n            )\n        return stop\n',
+        '                f"{step} (--max_skipped_steps); {fixes}"\n            )\n        return self.stop.requested\n',
+        (f"{CORRECTNESS}::test_stop_request_on_one_rank_stops_every_rank_together",),
+    ),
+    Mutant(
+        "non_finite_decided_alone",
+        "the non-finite check uses this rank's loss only",
+        "train.py",
+        "        stop, loss_not_finite, grads_not_finite, low_scale, too_many_skips = agreement.result()\n",
+        "        stop, loss_not_finite, grads_not_finite, low_scale, too_many_skips = agreement.result()\n"
+        "        loss_not_finite = not torch.isfinite(self.loss_totals[0])\n",
+        (f"{CORRECTNESS}::test_non_finite_loss_on_one_rank_stops_every_rank",),
+    ),
+    Mutant(
+        "negative_lr_accepted",
+        "the lr check lets negative values through",
+        "config.py",
+        "if not self.lr > 0:",
+        "if self.lr == 0:",
+        ("tests/test_config.py",),
+    ),
+    Mutant(
+        "clip_before_unscale",
+        "fp16 gradients clipped while still loss-scaled",
+        "train.py",
+        "            self.scaler.unscale_(self.optimizer)  # the true gradients: to clip, and to see fp16 overflow\n",
+        "",
+        (f"{CORRECTNESS}::test_clipping_sees_the_true_gradient_norm",),
+    ),
+    Mutant(
+        "node_rank_ignored",
+        "launch.sh gives every node rank 0",
+        "scripts/launch.sh",
+        '--node-rank="$NODE_RANK"',
+        "--node-rank=0",
+        ("tests/test_multinode.py::test_two_launches_on_this_machine_equal_one_node",),
+    ),
+    Mutant(
+        "store_prefix_removed",
+        "restarted groups share store keys with dead ones",
+        "ddp_utils.py",
+        "        store = dist.PrefixStore(group_prefix(os.environ, world_size), store)\n",
+        "",
+        (f"{RESILIENCE}::test_each_restart_and_group_size_gets_its_own_store_keys",),
+    ),
+    Mutant(
+        "warmup_off_by_one",
+        "the lr is computed before the step's samples are counted (step 1 at lr 0)",
+        "train.py",
+        "        self.samples_seen += self.global_batch\n"
+        "        for group in self.optimizer.param_groups:\n"
+        '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan)\n',
+        "        for group in self.optimizer.param_groups:\n"
+        '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan)\n'
+        "        self.samples_seen += self.global_batch\n",
+        ("tests/test_train.py::test_the_trainer_follows_the_schedule_from_the_first_step",),
+    ),
+    # Issue 10: fp16, elastic resizing, checkpoint waits.
+    Mutant(
+        "fp16_scale_floor_ignored",
+        "fp16 goes on with a vanishing loss scale",
+        "train.py",
+        "            low_scale = new_scale < cfg.min_loss_scale\n",
+        "            low_scale = False\n",
+        (f"{CORRECTNESS}::test_fp16_failure_stops_every_rank_with_one_line_naming_the_knobs",),
+    ),
+    Mutant(
+        "fp16_nan_loss_ignored",
+        "a NaN loss under fp16 is taken for an overflow",
+        "train.py",
+        "        if loss_not_finite or (grads_not_finite and not fp16):",
+        "        if (loss_not_finite or grads_not_finite) and not fp16:",
+        (f"{CORRECTNESS}::test_fp16_failure_stops_every_rank_with_one_line_naming_the_knobs",),
+    ),
+    Mutant(
+        "lr_on_steps",
+        "the schedule runs on steps at the current global batch",
+        "train.py",
+        '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan)\n',
+        '            group["lr"] = lr_at(self.step * self.global_batch + self.global_batch, cfg, self.plan)\n',
+        (f"{RESILIENCE}::test_the_learning_rate_stays_on_course_when_the_world_size_changes",),
+    ),
+    Mutant(
+        "checkpoint_wait_in_a_collective",
+        "ranks wait for rank 0's write in a collective",
+        "ddp_utils.py",
+        '    error = store_barrier(ctx, f"checkpoint_step_{step}", error, timeout_seconds)\n',
+        "    any_rank(error is not None, device=ctx.device)\n",
+        (f"{RESILIENCE}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
+    ),
+    Mutant(
+        "torchrun_grace_default",
+        "launch.sh leaves torchrun's 30 s grace after a signal",
+        "scripts/launch.sh",
+        "export PET_SHUTDOWN_TIMEOUT=$(( STOP_GRACE_SECONDS > 20 ? STOP_GRACE_SECONDS - 10 : STOP_GRACE_SECONDS ))",
+        "PET_SHUTDOWN_TIMEOUT=$(( STOP_GRACE_SECONDS > 20 ? STOP_GRACE_SECONDS - 10 : STOP_GRACE_SECONDS ))",
+        (f"{RESILIENCE}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
+    ),
+]
+
+
+def bake(folder):
+    cookiecutter = Path(sys.executable).parent / "cookiecutter"
+    subprocess.run([str(cookiecutter), "--no-input", str(TEMPLATE), "--output-dir", str(folder)], check=True,
+                   capture_output=True)  # fmt: skip
+    (project,) = [p for p in Path(folder).iterdir() if p.is_dir()]
+    return project
+
+
+def apply(mutant, project):
+    path = project / mutant.file
+    text = path.read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        raise SystemExit(f"mutant {mutant.name}: its text occurs {count} times in {mutant.file}, not once; update it")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def run_tests(project, tests):
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    started = time.monotonic()
+    try:
+        result = subprocess.run(command, check=False, cwd=project, env=env, capture_output=True, text=True,
+                                timeout=TIMEOUT)  # fmt: skip
+        code, tail = result.returncode, (result.stdout + result.stderr).strip().splitlines()[-1:]
+    except subprocess.TimeoutExpired:
+        code, tail = "timeout", ["timed out"]
+    return code, time.monotonic() - started, tail[0] if tail else ""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per mutant")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--no-control", action="store_true", help="skip the run on the unchanged project")
+    args = parser.parse_args()
+    by_name = {m.name: m for m in MUTANTS}
+    unknown = [name for name in args.names if name not in by_name]
+    if unknown:
+        parser.error(f"unknown mutant(s): {', '.join(unknown)}; see --list")
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name}: {m.bug} ({m.file}) -> {', '.join(m.tests)}")
+        return 0
+    selected = [by_name[name] for name in args.names] or MUTANTS
+    with tempfile.TemporaryDirectory(prefix="mutants-") as scratch:
+        base = bake(Path(scratch) / "base")
+        for mutant in selected:  # every mutant still fits the code before anything runs
+            copy = Path(scratch) / "check" / mutant.name
+            shutil.copytree(base, copy)
+            apply(mutant, copy)
+        if not args.no_control:
+            tests = sorted({test for m in selected for test in m.tests})
+            code, seconds, tail = run_tests(base, tests)
+            print(f"control (unchanged project, {len(tests)} test selections): {tail} [{seconds:.0f} s]", flush=True)
+            if code != 0:
+                print("the control run failed: fix the suite before reading the mutants", file=sys.stderr)
+                return 1
+        rows, missed = [], 0
+        for mutant in selected:
+            outcomes = []
+            for attempt in range(args.repeat):
+                project = Path(scratch) / "runs" / f"{mutant.name}_{attempt}"
+                shutil.copytree(base, project)
+                apply(mutant, project)
+                code, seconds, tail = run_tests(project, mutant.tests)
+                outcomes.append((code != 0, seconds))
+                shutil.rmtree(project, ignore_errors=True)
+                print(f"{mutant.name} run {attempt + 1}: {'caught' if code != 0 else 'MISSED'} ({tail}) [{seconds:.0f} s]",
+                      flush=True)  # fmt: skip
+            caught = sum(c for c, _ in outcomes)
+            missed += caught < len(outcomes)
+            seconds = sum(s for _, s in outcomes) / len(outcomes)
+            tests = ", ".join(t.split("::")[-1] for t in mutant.tests)
+            rows.append(f"| {mutant.name} | {mutant.bug} | {tests} | {caught}/{len(outcomes)} | {seconds:.0f} |")
+    print("\n| mutant | bug | tests | caught | s |\n| --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+    print(f"\n{len(selected) - missed} of {len(selected)} mutants caught every time")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

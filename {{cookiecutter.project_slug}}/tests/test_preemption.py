@@ -1,0 +1,180 @@
+"""Preemption and restarts: signals to torchrun and launch.sh, killed workers, slow checkpoints
+under a signal, timed-out runs. Each compares with an uninterrupted run, bit for bit.
+"""
+
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from conftest import (
+    ARGS,
+    PROJECT,
+    TINY,
+    TWO,
+    assert_same_metrics,
+    assert_same_parameters,
+    checkpoint,
+    kill_tree,
+    run_training,
+    saved_step,
+    training_command,
+    training_env,
+    wait_for,
+)
+
+import ddp_utils
+
+pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
+
+
+@pytest.fixture
+def start_training():
+    """Start a slowed-down 2-process run in the background; killed at the end of the test."""
+    processes = []
+
+    def start(output_dir, *args, torchrun_args=()):
+        log = open(output_dir.parent / f"{output_dir.name}.log", "w")
+        command = training_command(output_dir, *args, nproc=2, probe="slow", torchrun_args=torchrun_args)
+        # A session of its own, so cleanup reaches torchrun's workers too.
+        process = subprocess.Popen(
+            command, cwd=PROJECT, env=training_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        kill_tree(process.pid)  # torchrun's workers run in sessions of their own: by PID
+        process.wait()
+
+
+def log_of(output_dir):
+    return (output_dir.parent / f"{output_dir.name}.log").read_text()
+
+
+def test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact(reference, tmp_path, start_training):
+    """SIGTERM (schedulers, Kubernetes) reaches every worker through torchrun; they agree on
+    it at the next step, save and exit within seconds; the same command resumes exactly."""
+    output_dir = tmp_path / "run"
+    process = start_training(output_dir, *ARGS, *TWO)
+    wait_for(checkpoint(output_dir, 20), process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) != 0
+    assert "stopped by SIGTERM at step" in log_of(output_dir)
+    step, epoch, batches_done = saved_step(output_dir)
+    assert step > 20 and epoch == 1 and batches_done == step - 16  # past the last epoch boundary
+    run_training(output_dir, *ARGS, *TWO, nproc=2)  # the same command again
+    assert_same_parameters(output_dir, reference.two)
+    assert_same_metrics(output_dir, reference.two)
+
+
+def test_sigusr1_through_the_launch_script_checkpoints_and_exits(tmp_path):
+    """SLURM's --signal=USR1: scripts/launch.sh has torchrun forward it to the workers."""
+    log = open(tmp_path / "launch.log", "w")
+    command = ["scripts/launch.sh", *TINY, *ARGS, *TWO, "--epochs", "100", "--output_dir", str(tmp_path / "run")]
+    env = training_env({"NPROC_PER_NODE": "1", "NNODES": "1", "MASTER_ADDR": ""})  # one worker is enough
+    process = subprocess.Popen(command, cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(checkpoint(tmp_path / "run", 8), process)
+        process.send_signal(signal.SIGUSR1)
+        assert process.wait(timeout=30) != 0
+    finally:
+        kill_tree(process.pid)
+        process.wait()
+    output = (tmp_path / "launch.log").read_text()
+    assert "stopped by SIGUSR1 at step" in output, output
+    step, _, _ = saved_step(tmp_path / "run")
+    assert 8 <= step < 1600
+
+
+def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(reference, tmp_path, start_training):
+    output_dir = tmp_path / "run"
+    process = start_training(output_dir, *ARGS, *TWO, torchrun_args=["--max-restarts=2"])
+    wait_for(checkpoint(output_dir, 20), process)
+    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    subprocess.run(["kill", "-KILL", workers[-1]], check=True)
+    assert process.wait(timeout=60) == 0, log_of(output_dir)
+    assert "resumed from" in log_of(output_dir)
+    assert_same_parameters(output_dir, reference.two)
+    assert_same_metrics(output_dir, reference.two)
+
+
+def test_each_restart_and_group_size_gets_its_own_store_keys(monkeypatch):
+    """The store handed to init_process_group is a PrefixStore named after
+    TORCHELASTIC_RESTART_COUNT and the world size, so a restarted group (or one that a node
+    joined) never reads keys an earlier group left in torchrun's store, such as a dead peer's
+    address that gloo would wait on forever."""
+    captured = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: captured.update(kwargs))
+    environment = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "3"}
+    environment |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    ctx = ddp_utils.setup_distributed(timeout_seconds=30)
+    store = captured["store"]
+    assert isinstance(store, dist.PrefixStore) and ctx.store is store
+    store.set("key", "value")
+    assert store.underlying_store.get("restart_3_world_1/key") == b"value"
+    assert ddp_utils.group_prefix({"TORCHELASTIC_RESTART_COUNT": "3"}, 2) != "restart_3_world_1"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1(tmp_path):
+    """Rank 0 takes 35 s to write the checkpoint (a slow file system) after SLURM's SIGUSR1:
+    longer than --timeout_seconds (10) and than torchrun's default 30 s grace. The other rank
+    waits for it through the store (--checkpoint_timeout_seconds), and launch.sh gives
+    torchrun the stop grace (90 s, less 10) before it kills anyone: the checkpoint is saved."""
+    log = open(tmp_path / "launch.log", "w")
+    run_dir = tmp_path / "run"
+    # One long epoch (1600 steps), so no checkpoint is due before the signal.
+    command = ["scripts/launch.sh", *TINY, *ARGS, *TWO, "--epochs", "1", "--train_samples", "102400",
+               "--checkpoint_every_steps", "0", "--log_every_steps", "16", "--timeout_seconds", "10",
+               "--output_dir", str(run_dir)]  # fmt: skip
+    env = training_env({"NPROC_PER_NODE": "2", "NNODES": "1", "MASTER_ADDR": "", "PYTHONPATH": "tests",
+                        "DDP_PROBE": "slow_checkpoint_write"})  # fmt: skip
+    process = subprocess.Popen(command, cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)  # fmt: skip
+    try:
+        wait_for(run_dir / "train.log", process)
+        while "step 16 loss" not in (run_dir / "train.log").read_text():  # training has started
+            assert process.poll() is None, (tmp_path / "launch.log").read_text()
+            time.sleep(0.1)
+        process.send_signal(signal.SIGUSR1)
+        assert process.wait(timeout=120) != 0
+    finally:
+        kill_tree(process.pid)
+        process.wait()
+    output = (tmp_path / "launch.log").read_text()
+    assert "workers get 80 s to stop" in output, output
+    assert "PROBE slow checkpoint write started" in output and "stopped by SIGUSR1 at step" in output, output
+    assert "timed out" not in output and "SIGKILL" not in output, output
+    step, epoch, _ = saved_step(run_dir)
+    assert step > 0 and epoch == 0
+
+
+def test_a_timed_out_run_leaves_no_process_behind(tmp_path):
+    """A run past its timeout is ended with all its workers (which torchrun starts in sessions
+    of their own, out of reach of its process group)."""
+    output_dir = tmp_path / "endless"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_training(output_dir, *ARGS, "--epochs", "1000", nproc=2, probe="slow", timeout=15)
+    time.sleep(0.5)
+    running = [p for p in Path("/proc").glob("[0-9]*/cmdline") if str(output_dir) in read_cmdline(p)]
+    assert running == []
+
+
+def read_cmdline(path):
+    try:
+        return path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
