@@ -9,6 +9,8 @@
 #   3. no host sync in steady state: bf16 steps under torch.cuda.set_sync_debug_mode("error").
 #   4. NCCL's flight recorder writes a dump when a collective times out.
 #   5. the preflight's predicted step time is within +-25% of the measured bf16 step.
+#   6. the language task: a GPT big enough to be compute-bound (12 layers x 768, 1024-token
+#      context) in bf16 with torch.compile: tokens/s and MFU. Target: MFU >= 40% on H100/H200.
 #
 #   bash bench/gpu_check.sh                 # renders the template (needs cookiecutter)
 #   bash bench/gpu_check.sh PROJECT_DIR     # an already generated project
@@ -19,9 +21,12 @@ if [[ $# -ge 1 ]]; then
     project=$(cd "$1" && pwd)
 else
     out=$(mktemp -d)
-    "$python" -m cookiecutter --no-input "$here/.." --output-dir "$out" >/dev/null
+    "$python" -m cookiecutter --no-input "$here/.." --output-dir "$out" task=tabular >/dev/null
     project=$(find "$out" -mindepth 1 -maxdepth 1 -type d)
 fi
+language_out=$(mktemp -d)
+"$python" -m cookiecutter --no-input "$here/.." --output-dir "$language_out" task=language >/dev/null
+language=$(find "$language_out" -mindepth 1 -maxdepth 1 -type d)
 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: no CUDA GPU visible')"
 runs=$(mktemp -d)
 cd "$project"
@@ -147,5 +152,24 @@ if [[ -n $predicted_ms ]]; then
     check "preflight predicted bf16 step vs measured" "$verdict (predicted $predicted_ms ms, measured $(printf '%.2f' "$measured_ms") ms, ratio $ratio)"
 else
     check "preflight predicted bf16 step vs measured" "no prediction: $(tail -n 3 "$runs/preflight.log" | tr '\n' ' ')"
+fi
+
+# --- 6. the language task: bf16 tokens/s and MFU on a compute-bound GPT ------------------------
+(cd "$language" && "$python" prepare_data.py --output_dir "$runs/text" >"$runs/prepare.log" 2>&1)
+if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py \
+    --data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 \
+    --amp bf16 --compile true --max_steps 120 --eval_every_steps 60 --val_samples 64 --log_every_steps 0 \
+    --progress_bar false --resume none --output_dir "$runs/gpt" >"$runs/gpt.log" 2>&1); then
+    gpt=$("$python" -c "
+import json
+last = json.loads(open('$runs/gpt/metrics.jsonl').read().splitlines()[-1])
+print(f\"{last['tokens_per_s']:.0f} tokens/s, MFU {100 * last.get('mfu', 0):.1f}%, peak {last['peak_memory_mb']:.0f} MB\")
+ok = last.get('mfu', 0) >= 0.40
+print('ok' if ok else 'below 40%')
+")
+    verdict=$(echo "$gpt" | tail -n 1)
+    check "GPT 12x768, 1024 tokens, bf16, compile: MFU >= 40%" "$( [[ $verdict == ok ]] && echo ok || echo "$verdict" ) ($(echo "$gpt" | head -n 1))"
+else
+    check "GPT 12x768, 1024 tokens, bf16, compile: MFU >= 40%" "$(tail -n 3 "$runs/gpt.log" | tr '\n' ' ')"
 fi
 exit $failed

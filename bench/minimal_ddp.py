@@ -41,13 +41,17 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.
 
 if rank == 0:
     print("BENCH first step", flush=True)
-samples, started, cpu_started = 0, time.perf_counter(), time.process_time()
+# Timed from the end of the first step, as train.py's samples_per_s (steady state).
+samples, started, cpu_started = 0, None, None
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
     for inputs, targets in loader:
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(inputs), targets).backward()
         optimizer.step()
+        if started is None:
+            started, cpu_started = time.perf_counter(), time.process_time()
+            continue
         samples += len(targets)
 loop_seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
 if rank == 0:

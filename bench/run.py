@@ -1,8 +1,11 @@
-"""Benchmark the generated train.py against the floor (bench/minimal_ddp.py) and, where
-installed, PyTorch Lightning; 2 CPU processes with gloo, alternating A B A B ... per round.
+"""Benchmark the generated train.py against the floor (a minimal hand-written DDP loop on the
+same model and data: bench/minimal_gpt_ddp.py for the language task, bench/minimal_ddp.py for
+the tabular one) and, for tabular where installed, PyTorch Lightning; 2 CPU processes with
+gloo, alternating A B A B ... per round.
 
-    bash dev/bench.sh                 # 5 rounds, MLP 256->1024->1024->10, 16384 samples, 2 epochs
-    bash dev/bench.sh --tiny          # one quick round, to keep the script working (CI)
+    bash dev/bench.sh                     # language: 5 rounds, GPT 4x128, 128-token windows
+    bash dev/bench.sh --task tabular      # 5 rounds, MLP 256->1024->1024->10, 16384 samples, 2 epochs
+    bash dev/bench.sh --tiny              # one quick round, to keep the script working (CI)
 
 Reports medians over rounds and the median of per-round ratios (candidate / floor) of:
 training-loop throughput, rank 0's CPU seconds per sample in the loop, whole-process wall
@@ -53,24 +56,35 @@ def torchrun(nproc):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
+# The job's sizes, the same for the generated train.py and the floor.
+JOBS = {
+    "tabular": {"input_dim": 256, "hidden_dim": 1024, "num_classes": 10, "batch_size": 64},
+    "language": {"block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128, "batch_size": 16},
+}
+FLOORS = {"tabular": "minimal_ddp.py", "language": "minimal_gpt_ddp.py"}
+
+
 def run_generated(project, args, output_dir):
-    flags = ["--train_samples", args.samples, "--input_dim", 256, "--hidden_dim", 1024, "--num_classes", 10,
-             "--batch_size", 64, "--epochs", args.epochs, "--amp", "none", "--lr", 1e-3,
-             "--output_dir", output_dir, "--resume", "none", "--progress_bar", "false"]  # fmt: skip
+    sizes = JOBS[args.task]
+    flags = ["--train_samples", args.samples, "--epochs", args.epochs, "--amp", "none", "--lr", 1e-3,
+             "--output_dir", output_dir, "--resume", "none", "--progress_bar", "false", *args.data_flags]  # fmt: skip
+    flags += [item for name, value in sizes.items() for item in (f"--{name}", value)]
     # Its defaults stay on: evaluation and a checkpoint every epoch, clipping, the LR schedule,
     # logging every 50 steps.
     result = run_job([*torchrun(2), "train.py", *map(str, flags)], project, "INFO training ")
     metrics = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-    samples_per_epoch = args.samples // (64 * 2) * 64 * 2
+    global_batch = sizes["batch_size"] * 2
+    samples_per_epoch = args.samples // global_batch * global_batch
     loop_s = sum(samples_per_epoch / m["samples_per_s"] for m in metrics)
     cpu_s = sum(m["cpu_s"] for m in metrics)
     return {**result, "samples_per_s": samples_per_epoch * len(metrics) / loop_s,
             "cpu_us_per_sample": 1e6 * cpu_s / (samples_per_epoch * len(metrics) / 2)}  # fmt: skip
 
 
-def run_floor(project, args, script="minimal_ddp.py", *script_args):
-    flags = ["--train_samples", args.samples, "--epochs", args.epochs]
-    command = [*torchrun(2), str(BENCH / script), *script_args, *map(str, flags)]
+def run_floor(project, args, script=None, *script_args):
+    flags = ["--train_samples", args.samples, "--epochs", args.epochs, *args.data_flags]
+    flags += [item for name, value in JOBS[args.task].items() for item in (f"--{name}", value)]
+    command = [*torchrun(2), str(BENCH / (script or FLOORS[args.task])), *script_args, *map(str, flags)]
     result = run_job(command, project, "BENCH first step")
     (report,) = [json.loads(line[6:]) for line in result["lines"] if line.startswith("BENCH {")]
     return {**result, "samples_per_s": report["samples"] / report["loop_s"],
@@ -85,8 +99,8 @@ def cpu_model():
 
 
 METRICS = [
-    ("samples_per_s", "loop throughput (samples/s)", "higher"),
-    ("cpu_us_per_sample", "rank-0 CPU per sample in the loop (µs)", "lower"),
+    ("units_per_s", "loop throughput ({unit}s/s)", "higher"),
+    ("cpu_us_per_unit", "rank-0 CPU per {unit} in the loop (µs)", "lower"),
     ("wall_s", "whole process (s)", "lower"),
     ("first_step_s", "launch to first step (s)", "lower"),
     ("peak_rss_mb", "peak RSS of a rank (MB)", "lower"),
@@ -95,19 +109,28 @@ METRICS = [
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=tuple(JOBS), default="language")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--samples", type=int, default=16384)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=None, help="samples (windows) per epoch")
+    parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--tiny", action="store_true", help="one round on 1024 samples, to check the script works")
     parser.add_argument("--markdown", type=Path, help="also write the report to this file")
     args = parser.parse_args()
+    args.samples = args.samples or {"tabular": 16384, "language": 4096}[args.task]
+    args.epochs = args.epochs or {"tabular": 2, "language": 1}[args.task]
     if args.tiny:
         args.rounds, args.samples, args.epochs = 1, 1024, 1
 
     work = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
-    project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work)))
+    project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work), extra_context={"task": args.task}))
+    args.data_flags = []
+    if args.task == "language":  # 2 MB of the standard library's source, byte tokens
+        data = work / "text"
+        prepare = [sys.executable, "prepare_data.py", "--output_dir", str(data), "--max_bytes", "2000000"]
+        subprocess.run(prepare, cwd=project, check=True, capture_output=True)
+        args.data_flags = ["--data_dir", str(data)]
     candidates = {"generated train.py": lambda r: run_generated(project, args, work / f"run{r}")}
-    if importlib.util.find_spec("lightning"):  # not a dependency: compared where installed
+    if args.task == "tabular" and importlib.util.find_spec("lightning"):  # not a dependency: compared where installed
         candidates["Lightning Fabric"] = lambda r: run_floor(project, args, "lightning_job.py", "fabric")
         candidates["Lightning Trainer (defaults)"] = lambda r: run_floor(project, args, "lightning_job.py", "trainer")
     results = {"minimal DDP loop (floor)": []} | {name: [] for name in candidates}
@@ -117,10 +140,20 @@ def main():
             results[name].append(run(round_))
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
+    unit, per_sample = ("token", JOBS["language"]["block_size"]) if args.task == "language" else ("sample", 1)
+    for run in (run for runs in results.values() for run in runs):
+        run["units_per_s"], run["cpu_us_per_unit"] = (
+            run["samples_per_s"] * per_sample,
+            run["cpu_us_per_sample"] / per_sample,
+        )
     floor = results["minimal DDP loop (floor)"]
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}"
     software = f"Python {platform.python_version()}, torch {torch.__version__}"
-    job = f"MLP 256->1024->1024->10, {args.samples} samples, batch 64 per rank, 2 ranks (gloo, OMP_NUM_THREADS=1)"
+    job = {
+        "tabular": f"MLP 256->1024->1024->10, {args.samples} samples, batch 64 per rank",
+        "language": f"GPT 4 layers x 128 wide, 4 heads, byte tokens, {args.samples} windows of 128 tokens, batch 16 per "
+        "rank (2048 tokens)",
+    }[args.task] + ", 2 ranks (gloo, OMP_NUM_THREADS=1)"
     lines = [
         f"- Machine: {machine}; {software}; {datetime.date.today()}",
         f"- Job: {job}, {args.epochs} epochs, AdamW; {args.rounds} rounds, alternating A B A B.",
@@ -137,7 +170,7 @@ def main():
             else:
                 ratio = statistics.median(run[key] / base[key] for run, base in zip(runs, floor))
                 cells.append(f"{median:.4g} ({ratio:.3f}x)")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label.format(unit=unit)} | " + " | ".join(cells) + " |")
     report = "\n".join(lines) + "\n"
     print(report)
     if args.markdown:

@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Render the template with its defaults into demo/ and train it with 2 CPU processes.
+# Render the template with its defaults (the language task) into demo/, prepare text (the
+# Python standard library's own source), train a small GPT with 2 CPU processes (gloo), and
+# print a sample of what it learned.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
 rm -rf demo
 .venv/bin/cookiecutter --no-input . --output-dir demo
 project=$(find demo -mindepth 1 -maxdepth 1 -type d | head -n 1)
-echo "rendered $project; training 2 processes on CPU (gloo)"
 cd "$project"
-PATH="$OLDPWD/.venv/bin:$PATH" OMP_NUM_THREADS=1 NPROC_PER_NODE=2 scripts/launch.sh --epochs 4
+export PATH="$OLDPWD/.venv/bin:$PATH" OMP_NUM_THREADS=1
+python prepare_data.py
+echo "rendered $project; training a small GPT with 2 processes on CPU (gloo)"
+NNODES=1 NPROC_PER_NODE=2 scripts/launch.sh --amp none --block_size 64 --n_layer 2 --n_head 4 --n_embd 128 \
+    --batch_size 16 --lr 0.003 --max_steps 600 --eval_every_steps 200 --log_every_steps 100
+echo "a sample from the trained model:"
+python sample.py --checkpoint runs/default/checkpoints/last.pt --prompt "def " --max_new_tokens 300 --seed 0

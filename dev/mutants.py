@@ -38,12 +38,13 @@ class Mutant:
 
 CORRECTNESS = "tests/test_correctness.py"
 RESILIENCE = "tests/test_resilience.py"
+PREEMPTION = "tests/test_preemption.py"
 
 MUTANTS = [
     Mutant(
         "sampler_ignores_epoch",
         "every epoch sees the same order",
-        "dataset.py",
+        "loaders.py",
         "manual_seed(mix_seed(self.seed, self.epoch))",
         "manual_seed(mix_seed(self.seed, 0))",
         ("tests/test_data.py::test_epochs_and_seeds_change_the_order",),
@@ -77,7 +78,7 @@ MUTANTS = [
     Mutant(
         "padded_validation",
         "validation pads ranks to equal size (DistributedSampler)",
-        "dataset.py",
+        "loaders.py",
         "val_sampler = range(ctx.rank, len(val_set), ctx.world_size)",
         "val_sampler = [i % len(val_set) for i in range(ctx.rank, -(-len(val_set) // ctx.world_size) * "
         "ctx.world_size, ctx.world_size)]",
@@ -162,7 +163,7 @@ MUTANTS = [
         "ddp_utils.py",
         "        store = dist.PrefixStore(group_prefix(os.environ, world_size), store)\n",
         "",
-        (f"{RESILIENCE}::test_each_restart_and_group_size_gets_its_own_store_keys",),
+        (f"{PREEMPTION}::test_each_restart_and_group_size_gets_its_own_store_keys",),
     ),
     Mutant(
         "warmup_off_by_one",
@@ -207,7 +208,7 @@ MUTANTS = [
         "ddp_utils.py",
         '    error = store_barrier(ctx, f"checkpoint_step_{step}", error, timeout_seconds)\n',
         "    any_rank(error is not None, device=ctx.device)\n",
-        (f"{RESILIENCE}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
+        (f"{PREEMPTION}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
     ),
     Mutant(
         "torchrun_grace_default",
@@ -215,7 +216,7 @@ MUTANTS = [
         "scripts/launch.sh",
         "export PET_SHUTDOWN_TIMEOUT=$(( STOP_GRACE_SECONDS > 20 ? STOP_GRACE_SECONDS - 10 : STOP_GRACE_SECONDS ))",
         "PET_SHUTDOWN_TIMEOUT=$(( STOP_GRACE_SECONDS > 20 ? STOP_GRACE_SECONDS - 10 : STOP_GRACE_SECONDS ))",
-        (f"{RESILIENCE}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
+        (f"{PREEMPTION}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
     ),
 ]
 

@@ -1,16 +1,32 @@
-"""Remove the optional files the answers did not ask for.
+"""Put the chosen task's files in place and remove the optional files the answers did not ask for.
 
-Only removals listed in OPTIONAL_FILES, each tolerant of an already missing file: cruft
-re-runs this hook on every update, and running it twice must change nothing.
+Each task (language, vision, tabular) has its own whole files under tasks/<task>/ in the
+template (model.py, dataset.py, its scripts and tests); they move to the same places in the
+project and tasks/ goes. Then only removals listed in OPTIONAL_FILES. Both are idempotent:
+cruft re-runs this hook on every update, and running it twice must change nothing.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 # file in the generated project -> (prompt, the answer that keeps it)
 OPTIONAL_FILES = {
     "scripts/slurm.sbatch": ("slurm", "yes"),
 }
+
+
+def place_task_files(project_dir, task):
+    """Move tasks/<task>/* to the project's root (same relative paths) and drop tasks/."""
+    tasks = Path(project_dir) / "tasks"
+    if not tasks.is_dir():  # already placed (a re-run)
+        return
+    chosen = tasks / task
+    for source in sorted(p for p in chosen.rglob("*") if p.is_file()):
+        target = Path(project_dir) / source.relative_to(chosen)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.replace(target)
+    shutil.rmtree(tasks)
 
 
 def remove_unwanted(project_dir, answers):
@@ -20,7 +36,8 @@ def remove_unwanted(project_dir, answers):
 
 
 def main():
-    answers = json.loads(r"""{"slurm": {{ cookiecutter.slurm | tojson }}}""")
+    answers = json.loads(r"""{"task": {{ cookiecutter.task | tojson }}, "slurm": {{ cookiecutter.slurm | tojson }}}""")
+    place_task_files(Path.cwd(), answers["task"])
     remove_unwanted(Path.cwd(), answers)
 
 

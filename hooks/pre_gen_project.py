@@ -11,6 +11,7 @@ import sys
 SLUG_PATTERN = re.compile(r"[a-z][a-z0-9_-]*\Z")
 COUNT_PROMPTS = ("num_nodes", "gpus_per_node")
 AMP_CHOICES = ("bf16", "fp16", "none")
+TASK_CHOICES = ("language", "vision", "tabular")
 YES_NO = ("yes", "no")
 
 
@@ -36,6 +37,12 @@ def check_amp(value):
     return None
 
 
+def check_task(value):
+    if value not in TASK_CHOICES:
+        return f"task {value!r} is not one of: {', '.join(TASK_CHOICES)}"
+    return None
+
+
 def check_yes_no(name, value):
     if value not in YES_NO:
         return f"{name} {value!r} is not one of: yes, no"
@@ -46,6 +53,7 @@ def first_error(answers):
     """Return one line describing the first invalid answer, or None if all are valid."""
     checks = [check_slug(answers.get("project_slug"))]
     checks += [check_count(name, answers.get(name)) for name in COUNT_PROMPTS]
+    checks.append(check_task(answers.get("task")))
     checks.append(check_amp(answers.get("amp")))
     checks.append(check_yes_no("slurm", answers.get("slurm")))
     return next((error for error in checks if error), None)
@@ -59,6 +67,7 @@ def main():
         "project_slug": {{ cookiecutter.project_slug | tojson }},
         "num_nodes": {{ cookiecutter.num_nodes | tojson }},
         "gpus_per_node": {{ cookiecutter.gpus_per_node | tojson }},
+        "task": {{ cookiecutter.task | tojson }},
         "amp": {{ cookiecutter.amp | tojson }},
         "slurm": {{ cookiecutter.slurm | tojson }}
     }"""

@@ -32,3 +32,16 @@ def default_project(cookies_session):
 
 def project_files(project):
     return sorted(p for p in project.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+TASKS = ("language", "vision", "tabular")  # the first is the default
+
+
+def template_files(task):
+    """The files a project of `task` gets, as paths relative to it (slurm=yes): the shared files
+    of the template's project folder, and the task's own from tasks/<task>/ in their places."""
+    root = TEMPLATE / "{{cookiecutter.project_slug}}"
+    files = {p.relative_to(root) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    shared = {str(p) for p in files if p.parts[0] != "tasks"}
+    own = {str(p.relative_to(f"tasks/{task}")) for p in files if p.parts[:2] == ("tasks", task)}
+    return shared | own

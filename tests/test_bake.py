@@ -6,20 +6,16 @@ import re
 import tomllib
 
 import pytest
-from conftest import TEMPLATE, bake_ok, project_files, run
-
-
-def template_files():
-    """Every file of the template's project folder, as paths relative to it."""
-    root = TEMPLATE / "{{cookiecutter.project_slug}}"
-    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+from conftest import TASKS, TEMPLATE, bake_ok, project_files, run, template_files
 
 
 def test_default_bake_has_the_expected_files(default_project):
+    """The default task (language) in place, no other task's files, slurm=yes: nothing removed."""
     assert default_project.name == "ddp_training"
     baked = {str(p.relative_to(default_project)) for p in project_files(default_project)}
-    assert baked == template_files()  # slurm=yes by default: nothing removed, nothing added
+    assert baked == template_files("language")
     assert {"config.py", "ddp_utils.py", "dataset.py", "train.py", "scripts/launch.sh", "scripts/slurm.sbatch"} <= baked
+    assert {"prepare_data.py", "sample.py", "tests/test_task.py"} <= baked and "predict.py" not in baked
 
 
 def test_github_workflow_keeps_its_expressions(default_project):
@@ -110,6 +106,7 @@ def test_hostile_user_text_renders_valid_files_and_runs_nothing(cookies, tmp_pat
         ("gpus_per_node=-1", "gpus_per_node"),
         ("gpus_per_node=1.5", "gpus_per_node"),
         ("amp=fp8", "amp"),
+        ("task=audio", "task"),
     ],
 )
 def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prompt):
@@ -118,9 +115,9 @@ def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prom
     result = run(["cookiecutter", "--no-input", str(TEMPLATE), "-o", str(output), answer], cwd=tmp_path)
     assert result.returncode != 0
     assert list(output.iterdir()) == []
-    if prompt == "amp":
+    if prompt in ("amp", "task"):
         # cookiecutter itself rejects a value outside a choice list, before our checks run.
-        assert "choice variable amp" in result.stderr
+        assert f"choice variable {prompt}" in result.stderr
         return
     (line,) = result.stderr.strip().splitlines()  # one line, no traceback
     assert line.startswith(f"error: {prompt} ")
@@ -128,22 +125,41 @@ def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prom
 
 GENERATED_TEST_MODULES = sorted(
     p.name for p in (TEMPLATE / "{{cookiecutter.project_slug}}" / "tests").glob("test_*.py")
-)
+) + ["test_task.py"]
 
 
 @pytest.mark.parametrize("module", GENERATED_TEST_MODULES)
 def test_default_project_suite(default_project, module):
-    """The default bake (amp bf16) passes every module of its own suite, real 2-process runs
-    included; one module per test so the modules spread over the workers."""
+    """The default bake (language, amp bf16) passes every module of its own suite, real
+    2-process runs included; one module per test so the modules spread over the workers."""
     result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{module}"], cwd=default_project)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "failed" not in result.stdout and (" passed" in result.stdout or " skipped" in result.stdout)
 
 
+# The other tasks' own tests, and the shared guarantees that depend on the model and data:
+# world-size equivalence and exact mid-epoch resume after SIGTERM. (Every other shared test
+# exercises train.py, which is the same for every task: the default bake runs them.)
+TASK_TESTS = [
+    "tests/test_task.py",
+    "tests/test_correctness.py::test_world_size_and_accumulation_give_the_same_parameters",
+    "tests/test_preemption.py::test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact",
+]
+
+
+@pytest.mark.parametrize("task", TASKS[1:])
+def test_other_tasks_pass_their_tests(cookies, task):
+    project = bake_ok(cookies, task=task)
+    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TASK_TESTS], cwd=project)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "failed" not in result.stdout and " passed" in result.stdout
+
+
 def test_readme_quick_start_runs_as_written_with_two_nodes(cookies, tmp_path):
     """num_nodes=2 makes launch.sh default to two nodes; the quick start still runs on this
-    machine. Each command as written, with a smaller run and its own output folder appended."""
-    project = bake_ok(cookies, num_nodes="2", gpus_per_node="2")
+    machine. Each command as written, with a smaller run and its own output folder appended
+    (the tabular task: no data to prepare)."""
+    project = bake_ok(cookies, num_nodes="2", gpus_per_node="2", task="tabular")
     readme = (project / "README.md").read_text()
     block = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line.split("#", 1)[0].strip() for line in block.splitlines()]
@@ -161,7 +177,7 @@ def test_other_amp_defaults_train(cookies, amp):
     """With another default amp, a 2-process run with the defaults trains, learns and writes
     complete checkpoints (test_train.py's tests on its shared run); every other test sets --amp
     itself or does not train, and ran with the default bake already."""
-    project = bake_ok(cookies, amp=amp)
+    project = bake_ok(cookies, amp=amp, task="tabular")  # the default task's runs cost the same
     command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not fixed_amp", "tests/test_train.py",
                "-k", "not single_process and not second_dataset"]  # fmt: skip
     result = run(command, cwd=project)

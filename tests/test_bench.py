@@ -10,7 +10,7 @@ def test_benchmark_runs_end_to_end_at_a_tiny_size(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     report = (tmp_path / "report.md").read_text()
     assert "| metric | minimal DDP loop (floor) | generated train.py" in report
-    for row in ("loop throughput", "CPU per sample", "whole process", "launch to first step", "peak RSS"):
+    for row in ("loop throughput", "CPU per token", "whole process", "launch to first step", "peak RSS"):
         assert f"| {row}" in report or row in report
 
 

@@ -5,53 +5,34 @@ import os
 import re
 
 import pytest
-from conftest import TEMPLATE, bake_ok, project_files, run
+from conftest import TASKS, bake_ok, project_files, run, template_files
 
 pytestmark = pytest.mark.xdist_group("combinations")  # one worker bakes them all once
 
 AMPS = ("bf16", "fp16", "none")
 SLURM = ("yes", "no")
-NODES = ("1", "2", "4")
-GPUS = ("1", "2", "8")
-COMBINATIONS = list(itertools.product(AMPS, SLURM, NODES, GPUS))
-
-TOP_LEVEL = {
-    ".gitattributes",
-    ".gitignore",
-    ".pre-commit-config.yaml",
-    ".github/workflows/ci.yml",
-    "README.md",
-    "config.py",
-    "dataset.py",
-    "ddp_utils.py",
-    "metrics.py",
-    "model.py",
-    "preflight.py",
-    "pyproject.toml",
-    "scripts/launch.sh",
-    "train.py",
-}
+COUNTS = (("1", "1"), ("2", "8"), ("4", "2"))  # (num_nodes, gpus_per_node): a spread of free-form counts
+COMBINATIONS = list(itertools.product(TASKS, AMPS, SLURM, COUNTS))
 OPTIONAL = {"scripts/slurm.sbatch": ("slurm", "yes")}  # as in hooks/post_gen_project.py
 
 
 @pytest.fixture(scope="module")
 def bakes(cookies_session):
     projects = {}
-    for amp, slurm, nodes, gpus in COMBINATIONS:
-        answers = {"amp": amp, "slurm": slurm, "num_nodes": nodes, "gpus_per_node": gpus}
-        name = f"p_{amp}_{slurm}_{nodes}_{gpus}"
-        projects[(amp, slurm, nodes, gpus)] = bake_ok(cookies_session, project_name=name, **answers)
+    for task, amp, slurm, (nodes, gpus) in COMBINATIONS:
+        answers = {"task": task, "amp": amp, "slurm": slurm, "num_nodes": nodes, "gpus_per_node": gpus}
+        name = f"p_{task}_{amp}_{slurm}_{nodes}_{gpus}"
+        projects[task, amp, slurm, nodes, gpus] = bake_ok(cookies_session, project_name=name, **answers)
     return projects
 
 
 def test_exact_file_set(bakes):
-    template_tests = {p.name for p in (TEMPLATE / "{{cookiecutter.project_slug}}" / "tests").glob("*.py")}
-    for (amp, slurm, nodes, gpus), project in bakes.items():
+    """The chosen task's files and no other's; the optional files the answers asked for."""
+    for (task, amp, slurm, nodes, gpus), project in bakes.items():
         files = {str(p.relative_to(project)) for p in project_files(project)}
         answers = {"slurm": slurm}
-        optional = {path for path, (prompt, keep) in OPTIONAL.items() if answers[prompt] == keep}
-        tests = {f"tests/{name}" for name in template_tests}
-        assert files == TOP_LEVEL | optional | tests, project
+        removed = {path for path, (prompt, keep) in OPTIONAL.items() if answers[prompt] != keep}
+        assert files == template_files(task) - removed, project
 
 
 def test_no_template_syntax_and_lf_only(bakes):
@@ -80,7 +61,7 @@ def test_ruff_clean_in_every_combination(bakes):
 
 
 def test_prompt_values_reach_their_places(bakes):
-    for (amp, slurm, nodes, gpus), project in bakes.items():
+    for (task, amp, slurm, nodes, gpus), project in bakes.items():
         launch = (project / "scripts" / "launch.sh").read_text()
         assert f"NNODES=${{NNODES:-{nodes}}}" in launch
         assert f"NPROC_PER_NODE=${{NPROC_PER_NODE:-{gpus}}}" in launch

@@ -9,7 +9,14 @@ spec = importlib.util.spec_from_file_location("pre_gen_project", TEMPLATE / "hoo
 hook = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hook)
 
-VALID = {"project_slug": "my_project", "num_nodes": "1", "gpus_per_node": "8", "amp": "bf16", "slurm": "yes"}
+VALID = {
+    "project_slug": "my_project",
+    "num_nodes": "1",
+    "gpus_per_node": "8",
+    "amp": "bf16",
+    "slurm": "yes",
+    "task": "language",
+}
 
 
 def test_valid_answers_pass():
@@ -36,3 +43,7 @@ def test_bad_amp():
 
 def test_bad_slurm_answer():
     assert hook.first_error({**VALID, "slurm": "maybe"}) == "slurm 'maybe' is not one of: yes, no"
+
+
+def test_bad_task():
+    assert hook.first_error({**VALID, "task": "audio"}) == "task 'audio' is not one of: language, vision, tabular"

@@ -67,3 +67,18 @@ def test_post_gen_hook_only_removes_listed_files_and_is_idempotent(tmp_path):
     ]
     hook.remove_unwanted(tmp_path, {"slurm": "yes"})
     assert (tmp_path / "train.py").exists()
+
+
+def test_post_gen_hook_puts_the_chosen_task_in_place_once(tmp_path):
+    hook = load_hook("post_gen_project")
+    for task in ("language", "vision"):
+        (tmp_path / "tasks" / task / "tests").mkdir(parents=True)
+        (tmp_path / "tasks" / task / "model.py").write_text(task)
+        (tmp_path / "tasks" / task / "tests" / "test_task.py").write_text(task)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "train.py").write_text("shared")
+    hook.place_task_files(tmp_path, "vision")
+    hook.place_task_files(tmp_path, "vision")  # again, as cruft does on every update: no change
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert files == ["model.py", "tests/test_task.py", "train.py"]
+    assert (tmp_path / "model.py").read_text() == "vision"

@@ -1,6 +1,8 @@
-"""Every knob of a training run, in one place.
+"""Every knob of a training run, in one place: the fields below, plus the model's
+(ModelConfig in model.py) and the data's (DataConfig in dataset.py), which live next to the
+code they configure.
 
-Edit the defaults here, or override any field on the command line:
+Edit the defaults there, or override any field on the command line:
 
     python train.py --epochs 3 --lr 0.001 --amp none
 
@@ -10,40 +12,30 @@ sweeps and the checkpoint's saved config refer to them by name.
 
 import argparse
 import dataclasses
-import os
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-def knob(default, help, choices=None):
-    """A config field with its help text (and allowed values) for --help and the README."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+from dataset import DataConfig
+from knobs import ConfigError, OneLineParser, exit_with_error, knob
+from model import ModelConfig
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(ModelConfig, DataConfig):
     # Run
     seed: int = knob(0, "seed of everything random: model init, data order, augmentation")
-    epochs: int = knob(10, "passes over the training set")
+    epochs: int = knob(10, "passes over the training set (when max_steps is 0)")
+    max_steps: int = knob(0, "optimizer steps to train, across epochs; 0 = train epochs")
+    eval_every_steps: int = knob(0, "evaluate (one metrics.jsonl line) every N optimizer steps, 0 = at epoch ends")
     output_dir: str = knob("runs/default", "folder for train.log, metrics.jsonl and checkpoints/")
     resume: str = knob(
         "auto",
         "'auto': continue from output_dir/checkpoints/last.pt if present, 'none': start fresh, or a checkpoint path",
     )
 
-    # Data (see dataset.py to plug in your own)
-    dataset: str = knob("synthetic", "which dataset build_datasets returns", ("synthetic", "blobs"))
-    train_samples: int = knob(16384, "training samples")
-    val_samples: int = knob(2048, "validation samples (all of them are evaluated, once)")
-    input_dim: int = knob(32, "features per sample")
-    num_classes: int = knob(4, "classes")
-    input_noise_std: float = knob(0.0, "std of Gaussian noise added to training inputs, 0 = off")
+    # Data loading (the data itself: DataConfig in dataset.py)
     num_workers: int = knob(0, "DataLoader worker processes per training process")
     persistent_workers: bool = knob(True, "keep DataLoader workers alive across epochs (with num_workers > 0)")
     prefetch_factor: int = knob(2, "batches each DataLoader worker loads ahead (with num_workers > 0)")
-
-    # Model
-    hidden_dim: int = knob(256, "width of the two hidden layers")
 
     # Optimisation
     batch_size: int = knob(
@@ -98,20 +90,17 @@ class Config:
             choices = f.metadata["choices"]
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f.name, f"must be one of {', '.join(choices)}")
-        positive = ("epochs", "train_samples", "val_samples", "input_dim", "hidden_dim")
-        positive += ("batch_size", "grad_accum_steps", "timeout_seconds", "prefetch_factor", "bucket_cap_mb")
+        positive = ("epochs", "batch_size", "grad_accum_steps", "timeout_seconds", "prefetch_factor", "bucket_cap_mb")
         positive += ("checkpoint_timeout_seconds",)
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be at least 1")
-        non_negative = ("num_workers", "input_noise_std", "weight_decay", "max_grad_norm")
+        non_negative = ("num_workers", "weight_decay", "max_grad_norm", "max_steps", "eval_every_steps")
         non_negative += ("warmup_steps", "checkpoint_every_steps", "keep_checkpoints", "log_every_steps", "peak_tflops")
         non_negative += ("min_loss_scale", "max_skipped_steps")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(name, "must not be negative")
-        if self.num_classes < 2:
-            raise ConfigError("num_classes", "must be at least 2")
         if not self.lr > 0:
             raise ConfigError("lr", "must be greater than 0")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -126,15 +115,15 @@ class Config:
             # One overflowing fp16 step puts inf into PowerSGD's error feedback for good: every
             # later step overflows and is skipped.
             raise ConfigError("comm_hook", "powersgd cannot run with --amp fp16: use --amp bf16, or --comm_hook fp16")
+        self.check_model()
+        self.check_data()
+
+    def resolved(self):
+        """This config with the values read from the data filled in (e.g. a vocabulary size of 0)."""
+        return dataclasses.replace(self, **self.resolve_data(), **self.resolve_model())
 
     def to_dict(self):
         return dataclasses.asdict(self)
-
-
-class ConfigError(ValueError):
-    def __init__(self, name, problem):
-        super().__init__(f"--{name} {problem}")
-        self.field = name
 
 
 def _parse_bool(text):
@@ -146,22 +135,8 @@ def _parse_bool(text):
 _parse_bool.__name__ = "bool"  # argparse names the type in its error: "invalid bool value"
 
 
-class _OneRankParser(argparse.ArgumentParser):
-    """An argument parser that reports errors from one process only, not once per rank."""
-
-    def error(self, message):
-        exit_with_error(message)
-
-
-def exit_with_error(message):
-    # Every rank parses the command line; only the first prints, all exit.
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def build_parser():
-    parser = _OneRankParser(
+    parser = OneLineParser(
         description="Train a model with PyTorch DDP. Every Config field is a flag.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -172,15 +147,17 @@ def build_parser():
             default=f.default,
             choices=f.metadata["choices"],
             metavar="true|false" if f.type is bool else None,
-            help=f.metadata["help"],
+            help=f.metadata["help"].replace("%", "%%"),  # argparse formats help with %
         )
     return parser
 
 
-def parse_config(argv=None):
-    """Build the Config from the defaults above and `--field value` overrides."""
+def parse_config(argv=None, resolve=True):
+    """Build the Config from the defaults above and `--field value` overrides; with `resolve`,
+    fill in what comes from the data (e.g. a vocabulary size of 0)."""
     args = build_parser().parse_args(argv)
     try:
-        return Config(**vars(args))
+        cfg = Config(**vars(args))
+        return cfg.resolved() if resolve else cfg
     except ConfigError as error:
         exit_with_error(str(error))

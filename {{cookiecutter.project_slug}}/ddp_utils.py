@@ -224,13 +224,14 @@ def any_rank(*flags, device):
     return Agreement(flags, device).result()
 
 
-def store_barrier(ctx, name, error=None, timeout_seconds=1800):
+def store_barrier(ctx, name, error=None, timeout_seconds=1800, knob="--checkpoint_timeout_seconds"):
     """Wait until every rank has arrived at `name`, up to `timeout_seconds`, through the store.
 
     For waits that collectives must not bound: while rank 0 writes a large checkpoint to a slow
     file system, the other ranks wait here rather than in a collective limited by
     --timeout_seconds. Each rank may report an error; returns one of those reported, or None.
-    Every rank must call it with the same names in the same order.
+    Every rank must call it with the same names in the same order; `knob` is the flag that sets
+    the limit, for the error message.
     """
     key = f"barrier/{name}"
     if error:
@@ -242,7 +243,7 @@ def store_barrier(ctx, name, error=None, timeout_seconds=1800):
     except (dist.DistError, RuntimeError) as failure:  # the store's wait timed out
         raise CheckpointError(
             f"rank {ctx.rank} waited more than {timeout_seconds} s for the other ranks at {name} "
-            f"({type(failure).__name__}); raise --checkpoint_timeout_seconds if the file system is slow"
+            f"({type(failure).__name__}); raise {knob} if they are slow, not stuck"
         ) from None
     if ctx.store.check([f"{key}/error"]):
         return ctx.store.get(f"{key}/error").decode()

@@ -59,6 +59,9 @@ def flops_per_sample(cfg, sample, loss_fn):
     inputs, targets = (torch.empty((1, *t.shape), dtype=t.dtype, device="meta") for t in sample)
     with torch.device("meta"):
         model = build_model(cfg)
+    # Evaluation mode: the model's own FLOPs, without activation checkpointing's recompute
+    # (MFU counts model FLOPs, not hardware FLOPs) or dropout.
+    model.eval()
     with FlopCounterMode(display=False) as counter:
         loss_fn(model(inputs), targets).backward()
     return counter.get_total_flops()

@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import parse_config
-from dataset import build_loaders, mix_seed, seed_everything, start_epoch
+from dataset import build_datasets
 from ddp_utils import (
     Agreement,
     CheckpointError,
@@ -48,6 +48,8 @@ from ddp_utils import (
     store_barrier,
     warn_main,
 )
+from knobs import ConfigError
+from loaders import build_loaders, mix_seed, seed_everything, start_epoch
 from metrics import (
     Reporter,
     flops_per_sample,
@@ -57,12 +59,17 @@ from metrics import (
     peak_tflops,
     reset_peak_memory,
 )
-from model import build_model
+from model import SHAPE_FIELDS, build_model
 
 log = logging.getLogger("train")
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
-MODEL_SHAPE_FIELDS = ("input_dim", "hidden_dim", "num_classes")
+
+
+def loss_fn(logits, targets):
+    """Cross-entropy for every task: logits [..., classes] against targets [...], one class
+    index per sample (tabular, vision) or per token (language)."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
 class TrainingError(RuntimeError):
@@ -85,6 +92,31 @@ class Plan:
 
     total_samples: int
     warmup_samples: int
+
+
+@dataclass
+class Period:
+    """Timing of the training since the last metrics line, which reports it."""
+
+    started: float  # perf_counter()
+    cpu_started: float  # process_time()
+    samples_at_start: int
+    data_wait_s: float = 0.0  # waiting for batches
+    checkpoint_s: float = 0.0  # saving checkpoints (left out of throughput)
+    window: tuple = None  # (time, samples trained, checkpoint_s) at the end of the period's first step
+
+    def open_window(self, samples):
+        # Throughput counts from the end of the period's first step: compile warm-up, worker
+        # start-up and the first batches' latency stay out.
+        if self.window is None:
+            self.window = (time.perf_counter(), samples, self.checkpoint_s)
+
+    def samples_per_s(self, samples, now):
+        opened, samples_then, checkpoint_then = self.window or (self.started, self.samples_at_start, 0.0)
+        if samples == samples_then:  # a single step: no window, the whole period
+            opened, samples_then, checkpoint_then = self.started, self.samples_at_start, 0.0
+        seconds = now - opened - (self.checkpoint_s - checkpoint_then)
+        return (samples - samples_then) / seconds if seconds > 0 else 0.0
 
 
 def lr_at(samples, cfg, plan):
@@ -167,7 +199,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = self.output_dir / "checkpoints"
-        self.train_loader, self.val_loader = build_loaders(cfg, ctx)
+        self.train_loader, self.val_loader = build_loaders(cfg, ctx, *self._datasets())
         self.global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps
         if self.steps_per_epoch == 0:
@@ -175,8 +207,9 @@ class Trainer:
                 f"--train_samples {cfg.train_samples} is less than one global batch "
                 f"(batch_size x world_size x grad_accum_steps = {self.global_batch})"
             )
+        planned_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         self.plan = Plan(
-            total_samples=cfg.epochs * self.steps_per_epoch * self.global_batch,
+            total_samples=planned_steps * self.global_batch,  # the schedule spans the planned run
             warmup_samples=cfg.warmup_steps * self.global_batch,  # kept from the first start on resume
         )
 
@@ -206,7 +239,9 @@ class Trainer:
         # torch.compile goes around the DDP wrapper, so DDP's bucketing is compiled in step with
         # the graph (PyTorch's documented order); no_sync() still acts on the wrapper.
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
-        self.flops_per_sample = flops_per_sample(cfg, self.train_loader.dataset[0], loss_fn=F.cross_entropy)
+        sample = self.train_loader.dataset[0]
+        self.flops_per_sample = flops_per_sample(cfg, sample, loss_fn)
+        self.tokens_per_sample = sample[1].numel()  # predictions per sample: 1, or a sequence's length
         device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
         self.peak_tflops = peak_tflops(device_name, cfg.amp, cfg.tf32, cfg.peak_tflops)
         try:
@@ -222,10 +257,24 @@ class Trainer:
         self.pending = None  # (step, Agreement) of the last optimizer step, read one step later
         self.pending_log = None  # (step, HostCopy of the loss, samples/s), printed one step later
         self.skipped_in_a_row = 0  # fp16 steps skipped for overflow, in a row
-        self.checkpoint_seconds = 0.0  # time spent saving inside the current epoch
+        self.last_evaluated = None  # the step of the last metrics line
+        self.period = Period(time.perf_counter(), time.process_time(), 0)  # restarted by train()
         self.stop = StopRequest()
         # Fires a little before the collective timeout, so stacks are written before the job ends.
         self.watchdog = Watchdog(cfg.timeout_seconds, ctx.rank, self.stop)
+
+    def _datasets(self):
+        """The task's datasets. A missing data folder is agreed by all ranks (it may be missing
+        on one node only) and reported once, before anyone waits in a collective."""
+        datasets, problem = None, None
+        try:
+            datasets = build_datasets(self.cfg)
+        except ConfigError as error:
+            problem = str(error)
+        problem = store_barrier(self.ctx, "datasets", problem, self.cfg.timeout_seconds, "--timeout_seconds")
+        if problem:
+            raise TrainingError(problem)
+        return datasets
 
     # --- resume ---------------------------------------------------------------------------
 
@@ -273,7 +322,7 @@ class Trainer:
         saved = state["config"]
         mismatched = [
             f"--{name} is {getattr(self.cfg, name)}, the checkpoint's is {saved[name]}"
-            for name in MODEL_SHAPE_FIELDS
+            for name in SHAPE_FIELDS
             if saved[name] != getattr(self.cfg, name)
         ]
         if mismatched:
@@ -345,65 +394,50 @@ class Trainer:
             self.ctx, state, self.checkpoint_dir, self.step, self.cfg.keep_checkpoints,
             self.cfg.checkpoint_timeout_seconds,
         )  # fmt: skip
-        self.checkpoint_seconds += time.perf_counter() - started
+        self.period.checkpoint_s += time.perf_counter() - started
         return stop
 
     # --- training -------------------------------------------------------------------------
 
     def train(self):
         cfg = self.cfg
-        if self.epoch >= cfg.epochs:
+        if self._finished():
             report("run already complete: %d epochs, %d steps", self.epoch, self.step)
             return
-        report("training %d epochs of %d steps, global batch %d", cfg.epochs, self.steps_per_epoch, self.global_batch)
-        while self.epoch < cfg.epochs:
-            reset_peak_memory(self.ctx.device)
-            started, cpu_started = time.perf_counter(), time.process_time()
-            self.checkpoint_seconds = 0.0
-            samples_per_s, data_wait_s = self._run_epoch()
-            if self._settle():  # a stop agreed in the epoch's last step
+        length = f"{cfg.max_steps} steps ({self.steps_per_epoch} an epoch)" if cfg.max_steps else (
+            f"{cfg.epochs} epochs of {self.steps_per_epoch} steps"
+        )  # fmt: skip
+        report("training %s, global batch %d", length, self.global_batch)
+        self._start_period()
+        while not self._finished():
+            self._run_epoch()  # to the epoch's end, or to max_steps
+            if self._settle():  # a stop agreed in the last step
                 self._save_checkpoint()
                 raise Preempted(self.stop.signum or signal.SIGTERM)
-            train_seconds = time.perf_counter() - started - self.checkpoint_seconds
-            cpu_seconds = time.process_time() - cpu_started
-            metrics = {
-                "epoch": self.epoch + 1,
-                "step": self.step,
-                "train_loss": self._reduce_train_loss(),
-                **self.evaluate(),
-                "samples_per_s": samples_per_s,  # steady state: no first step, no checkpoints
-                "data_wait_s": data_wait_s,  # rank 0's time waiting for batches
-                "compute_s": train_seconds - data_wait_s,  # the rest of the epoch's training time
-                "cpu_s": cpu_seconds,  # rank 0's CPU time while training: host overhead shows here
-                "peak_memory_mb": peak_memory_mb(self.ctx.device),  # rank 0's, this epoch
-                "lr": self.optimizer.param_groups[0]["lr"],
-            }
-            utilisation = mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_tflops)
-            if utilisation is not None:
-                metrics["mfu"] = utilisation
-            self.reporter.epoch_metrics(metrics)
-            report("%s", format_metrics(metrics))
-            self.epoch, self.batches_done = self.epoch + 1, 0
-            self.loss_totals.zero_()
-            if self._save_checkpoint():
-                raise Preempted(self.stop.signum or signal.SIGTERM)
+            if self.batches_done == self.steps_per_epoch * cfg.grad_accum_steps:  # the epoch is complete
+                if not cfg.eval_every_steps:
+                    self._evaluate_and_report()
+                self.epoch, self.batches_done = self.epoch + 1, 0
+                if self._save_checkpoint():
+                    raise Preempted(self.stop.signum or signal.SIGTERM)
+        if self.last_evaluated != self.step:  # the run ended between evaluations
+            self._evaluate_and_report()
+            self._save_checkpoint()
+
+    def _finished(self):
+        return self.step >= self.cfg.max_steps if self.cfg.max_steps else self.epoch >= self.cfg.epochs
 
     def _run_epoch(self):
-        """Train until the end of the epoch; returns (samples/s in steady state, data wait seconds)."""
+        """Train to the end of the epoch (or to max_steps), evaluating every eval_every_steps."""
         cfg, ctx = self.cfg, self.ctx
         accum = cfg.grad_accum_steps
         global_micro_batch = cfg.batch_size * ctx.world_size
         start_epoch(self.train_loader, self.epoch, ctx.rank, cfg.seed, start=self.batches_done * global_micro_batch)
         self.model.train()
-        first_batch = self.batches_done
-        self.reporter.start_epoch(self.epoch + 1, cfg.epochs, self.steps_per_epoch, first_batch // accum)
-        epoch_started = time.perf_counter()
-        # Throughput is measured from the end of the epoch's first step: compile warm-up, worker
-        # start-up and the first batches' latency stay out, as do checkpoints (subtracted).
-        window = None  # (time, micro-batches done, checkpoint seconds) when the window opened
-        data_wait_s, waiting_since = 0.0, epoch_started
-        for micro_step, (inputs, targets) in enumerate(self.train_loader, start=first_batch):
-            data_wait_s += time.perf_counter() - waiting_since
+        self.reporter.start_epoch(self.epoch + 1, cfg.epochs, self.steps_per_epoch, self.batches_done // accum)
+        waiting_since = time.perf_counter()
+        for micro_step, (inputs, targets) in enumerate(self.train_loader, start=self.batches_done):
+            self.period.data_wait_s += time.perf_counter() - waiting_since
             self.watchdog.beat(f"training, optimizer step {self.step + 1}")
             last_micro_step = (micro_step + 1) % accum == 0
             loss = self._run_batch(inputs, targets, sync=last_micro_step)
@@ -415,23 +449,59 @@ class Trainer:
             if stop:  # agreed by all ranks: save where we are and exit
                 self._save_checkpoint()
                 raise Preempted(self.stop.signum or signal.SIGTERM)
-            if window is None:
-                window = (time.perf_counter(), self.batches_done, self.checkpoint_seconds)
-            self._log_step(loss, window, global_micro_batch)
-            mid_epoch = self.batches_done < self.steps_per_epoch * accum
-            if mid_epoch and cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0:
-                if self._save_checkpoint():
-                    raise Preempted(self.stop.signum or signal.SIGTERM)
+            self.period.open_window(self.samples_seen)
+            self._log_step(loss)
+            epoch_end = self.batches_done == self.steps_per_epoch * accum
+            if cfg.eval_every_steps and self.step % cfg.eval_every_steps == 0:
+                self._evaluate_and_report()
+                save = not epoch_end  # the epoch's end saves anyway
+            else:
+                save = not epoch_end and cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0
+            if save and self._save_checkpoint():
+                raise Preempted(self.stop.signum or signal.SIGTERM)
+            if cfg.max_steps and self.step >= cfg.max_steps:
+                break
             waiting_since = time.perf_counter()
-        self._log_step(None, window, global_micro_batch)  # the last step's line, if it is due
+        self._log_step(None)  # the last step's line, if it is due
         self.reporter.end_epoch()
-        if window is None or self.batches_done == window[1]:  # one step this epoch: no window
-            window = (epoch_started, first_batch, 0.0)
-        opened, batches, checkpoint_seconds = window
-        seconds = time.perf_counter() - opened - (self.checkpoint_seconds - checkpoint_seconds)
-        return (self.batches_done - batches) * global_micro_batch / seconds, data_wait_s
 
-    def _log_step(self, loss, window, global_micro_batch):
+    def _start_period(self):
+        """Start measuring what the next metrics line reports: time and memory from now (the
+        loss sums restart after each line, and carry over in a checkpoint)."""
+        reset_peak_memory(self.ctx.device)
+        self.period = Period(time.perf_counter(), time.process_time(), self.samples_seen)
+
+    def _evaluate_and_report(self):
+        """Evaluate, write one metrics line (epoch and step) for the period since the last one."""
+        self._log_step(None)  # the step's own loss line first
+        period = self.period
+        ended, cpu_seconds = time.perf_counter(), time.process_time() - period.cpu_started
+        train_seconds = ended - period.started - period.checkpoint_s
+        samples_per_s = period.samples_per_s(self.samples_seen, ended)
+        metrics = {
+            "epoch": self.epoch + 1,
+            "step": self.step,
+            "train_loss": self._reduce_train_loss(),
+            **self.evaluate(),
+            "samples_per_s": samples_per_s,  # steady state: no first step, no checkpoints
+            "data_wait_s": period.data_wait_s,  # rank 0's time waiting for batches
+            "compute_s": train_seconds - period.data_wait_s,  # the rest of the training time
+            "cpu_s": cpu_seconds,  # rank 0's CPU time while training: host overhead shows here
+            "peak_memory_mb": peak_memory_mb(self.ctx.device),  # rank 0's, since the last line
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+        if self.tokens_per_sample > 1:  # sequences: each sample holds many predictions
+            metrics["tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        utilisation = mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_tflops)
+        if utilisation is not None:
+            metrics["mfu"] = utilisation
+        self.reporter.epoch_metrics(metrics)
+        report("%s", format_metrics(metrics))
+        self.last_evaluated = self.step
+        self.loss_totals.zero_()
+        self._start_period()
+
+    def _log_step(self, loss):
         """Every log_every_steps steps, log the loss: copied now, printed a step later, when the
         copy is done, so the host never waits for the device. `loss=None` prints what is left."""
         if loss is not None:
@@ -443,9 +513,7 @@ class Trainer:
             self.reporter.train_loss(step, loss_value, samples_per_s)
             self.pending_log = None
         if loss is not None and self.cfg.log_every_steps and self.step % self.cfg.log_every_steps == 0:
-            opened, batches, _ = window
-            elapsed = time.perf_counter() - opened
-            samples_per_s = (self.batches_done - batches) * global_micro_batch / elapsed if elapsed > 0 else 0.0
+            samples_per_s = self.period.samples_per_s(self.samples_seen, time.perf_counter())
             lr = self.optimizer.param_groups[0]["lr"]
             self.pending_log = (self.step, HostCopy(loss.reshape(1)), lr, samples_per_s)
 
@@ -455,7 +523,7 @@ class Trainer:
         # Gradients are all-reduced only on the last micro-step of an optimizer step.
         with contextlib.nullcontext() if sync else self.model.no_sync():
             with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                loss = F.cross_entropy(self._forward(inputs), targets)
+                loss = loss_fn(self._forward(inputs), targets)
             self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
         loss = loss.detach()
         self.loss_totals[0] += loss.double() * len(targets)
@@ -552,20 +620,22 @@ class Trainer:
         """Loss and accuracy over exactly the whole validation set, on every rank."""
         model = self.model.module  # no DDP forward: nothing to synchronise in evaluation
         model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss sum, correct, count
+        # loss sum and correct predictions over every target, targets, samples
+        totals = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
         for inputs, targets in self.val_loader:
             self.watchdog.beat("evaluation")
             inputs = inputs.to(self.ctx.device, non_blocking=True)
             targets = targets.to(self.ctx.device, non_blocking=True)
             with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 logits = model(inputs)
-            totals[0] += F.cross_entropy(logits.float(), targets, reduction="sum")
-            totals[1] += (logits.argmax(dim=1) == targets).sum()
-            totals[2] += len(targets)
+            totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
+            totals[1] += (logits.argmax(dim=-1) == targets).sum()
+            totals[2] += targets.numel()
+            totals[3] += len(targets)
         dist.all_reduce(totals)  # sums and counts, not an average of per-rank averages
         model.train()
-        loss_sum, correct, count = totals.tolist()
-        return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(count)}
+        loss_sum, correct, count, samples = totals.tolist()
+        return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(samples)}
 
     def close(self):
         self.watchdog.close()

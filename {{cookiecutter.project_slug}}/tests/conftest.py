@@ -7,6 +7,7 @@ handed to it, not to init), and after each test every process it started and lef
 is killed by PID (`end_leftover_processes`).
 """
 
+import atexit
 import ctypes
 import functools
 import json
@@ -15,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,9 +26,15 @@ import torch
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 
-# Small and fast: every test trains for real, so keep the task tiny.
-TINY = ["--train_samples", "1024", "--val_samples", "256", "--hidden_dim", "32", "--batch_size", "32"]
-TINY += ["--epochs", "2", "--lr", "0.01", "--log_every_steps", "0"]
+import task  # noqa: E402 (tests/task.py: this project's task, its tiny data and sizes)
+
+# Small and fast: every test trains for real, so keep the task tiny: 1024 training and 256
+# validation samples, a tiny model, a global batch of 64 (16 steps an epoch) with 2 processes.
+DATA = Path(tempfile.mkdtemp(prefix="ddp-test-data-"))
+atexit.register(shutil.rmtree, DATA, ignore_errors=True)
+TINY = ["--train_samples", "1024", "--val_samples", "256", "--batch_size", "32", "--epochs", "2"]
+TINY += ["--log_every_steps", "0", *task.TINY, *task.prepare_data(DATA)]  # the task's values (and its --lr)
+LR = float(dict(zip(TINY[::2], TINY[1::2]))["--lr"])  # the peak lr of TINY runs
 
 
 def training_command(output_dir, *args, nproc=1, probe=None, torchrun_args=()):
@@ -81,6 +89,13 @@ def read_metrics(output_dir):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fixed_amp: sets --amp itself, so the project's default amp does not matter")
+
+
+def relative_difference(a, b):
+    """|a - b| / |b| of two tensors; counters (BatchNorm's num_batches_tracked) must be equal."""
+    if not b.is_floating_point():
+        return 0.0 if torch.equal(a, b) else float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def load_final_model(output_dir):
@@ -147,7 +162,7 @@ def assert_same_parameters(output_dir, reference_dir):
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from the uninterrupted run"
 
 
-TIMINGS = {"samples_per_s", "data_wait_s", "compute_s", "cpu_s", "peak_memory_mb", "mfu"}  # differ run to run
+TIMINGS = {"samples_per_s", "tokens_per_s", "data_wait_s", "compute_s", "cpu_s", "peak_memory_mb", "mfu"}
 
 
 def assert_same_metrics(output_dir, reference_dir):

@@ -174,7 +174,7 @@ def unused_param():
         def __init__(self, cfg):
             super().__init__()
             self.used = build_model(cfg)
-            self.unused = nn.Linear(cfg.input_dim, cfg.num_classes)
+            self.unused = nn.Linear(1, 1)
 
         def forward(self, inputs):
             return self.used(inputs)
@@ -242,11 +242,11 @@ def crash_in_checkpoint_write():
 
 
 def with_dropout():
-    """The model draws from the global random generator every step: dropout on its inputs."""
+    """The model draws from the global random generator every step: dropout on its outputs."""
     original = train.build_model
 
     def build_model(cfg):
-        return nn.Sequential(nn.Dropout(0.2), original(cfg))
+        return nn.Sequential(original(cfg), nn.Dropout(0.2))
 
     train.build_model = build_model
 

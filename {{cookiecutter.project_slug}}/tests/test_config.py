@@ -2,14 +2,13 @@ import subprocess
 import sys
 
 import pytest
+import task
 from conftest import PROJECT, run_training
 
 from config import Config, ConfigError, parse_config
 
-CONTRACT_FIELDS = (
-    "seed epochs batch_size lr num_workers amp grad_accum_steps output_dir resume "
-    "train_samples val_samples input_dim hidden_dim num_classes"
-).split()
+CONTRACT_FIELDS = "seed epochs batch_size lr num_workers amp grad_accum_steps output_dir resume".split()
+CONTRACT_FIELDS += [*task.CONTRACT_FIELDS, "max_steps", "eval_every_steps"]
 
 
 def test_contract_fields_exist():
@@ -25,9 +24,10 @@ def test_help_lists_every_field():
 
 
 def test_overrides_are_typed():
-    cfg = parse_config(["--lr", "0.5", "--epochs", "3", "--find_unused_parameters", "true", "--amp", "fp16"])
+    args = ["--lr", "0.5", "--epochs", "3", "--find_unused_parameters", "true", "--amp", "fp16"]
+    cfg = parse_config(args, resolve=False)  # nothing read from the data
     assert (cfg.lr, cfg.epochs, cfg.find_unused_parameters, cfg.amp) == (0.5, 3, True, "fp16")
-    assert parse_config(["--find_unused_parameters", "False"]).find_unused_parameters is False
+    assert parse_config(["--find_unused_parameters", "False"], resolve=False).find_unused_parameters is False
 
 
 def test_config_is_frozen():
@@ -58,7 +58,7 @@ def test_config_is_frozen():
 )
 def test_bad_values_exit_with_one_line_naming_the_field(args, field, problem, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_config(args)
+        parse_config(args, resolve=False)
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 
 from config import Config
-from dataset import ShardedSampler, build_datasets, build_loaders
+from loaders import ShardedSampler, build_loaders
 
 
 def global_batches(num_samples, global_batch, world_size, epoch=0, seed=0):
@@ -44,30 +44,22 @@ def test_start_skips_exactly_the_consumed_batches():
 
 
 def test_validation_covers_every_sample_once_for_any_world_size():
-    cfg = Config(val_samples=1001, train_samples=128, batch_size=16)
-    _, val = build_datasets(cfg)
+    cfg = Config(batch_size=16)
+    val = [(torch.tensor([float(i)]), torch.tensor(0)) for i in range(1001)]
     for world_size in (1, 2, 3):
         seen = []
         for rank in range(world_size):
             ctx = SimpleNamespace(rank=rank, world_size=world_size, device=torch.device("cpu"))
-            _, val_loader = build_loaders(cfg, ctx)
-            seen += [x for batch, _ in val_loader for x in batch]
-        assert len(seen) == 1001
-        assert sorted(x.tolist() for x in seen) == sorted(x.tolist() for x in val.inputs)
-
-
-def test_dataset_is_deterministic_from_seed():
-    a, _ = build_datasets(Config(seed=1))
-    b, _ = build_datasets(Config(seed=1))
-    c, _ = build_datasets(Config(seed=2))
-    assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
-    assert not torch.equal(a.inputs, c.inputs)
+            _, val_loader = build_loaders(cfg, ctx, val[:128], val)
+            seen += [int(x) for batch, _ in val_loader for x in batch]
+        assert sorted(seen) == list(range(1001))  # every sample once: no padding, no duplicates
 
 
 def test_only_the_training_loader_keeps_its_workers():
     """Persistent workers for training (every epoch); the validation loader's workers end after
     each evaluation instead of holding memory for the whole run."""
-    cfg = Config(num_workers=2, persistent_workers=True, train_samples=128, val_samples=64)
+    cfg = Config(num_workers=2, persistent_workers=True)
     ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    train_loader, val_loader = build_loaders(cfg, ctx)
+    items = [(torch.zeros(1), torch.tensor(0))] * 128
+    train_loader, val_loader = build_loaders(cfg, ctx, items, items)
     assert train_loader.persistent_workers and not val_loader.persistent_workers

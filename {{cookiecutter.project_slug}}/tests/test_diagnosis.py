@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import PROJECT, run_training, training_env
+from conftest import PROJECT, TINY, run_training, training_env
 
 import ddp_utils
 import preflight
@@ -80,7 +80,7 @@ def test_slurm_job_ports_stay_below_the_ephemeral_range():
 
 def test_preflight_on_one_machine_prints_table_and_verdict():
     env = training_env({"NPROC_PER_NODE": "2", "NNODES": "1", "MASTER_ADDR": "", "PREFLIGHT_MAX_MB": "4"})
-    result = subprocess.run(["scripts/launch.sh", "--preflight", "--hidden_dim", "64"], cwd=PROJECT, env=env,
+    result = subprocess.run(["scripts/launch.sh", "--preflight", *TINY], cwd=PROJECT, env=env,
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all-reduce of 2 ranks correct" in result.stdout

@@ -16,7 +16,7 @@ from pathlib import Path
 import netns
 import pytest
 import torch
-from conftest import PROJECT, TINY, kill_tree, load_final_model, read_metrics, run_training, training_env
+from conftest import LR, PROJECT, TINY, kill_tree, load_final_model, read_metrics, run_training, training_env
 
 import train
 from config import Config
@@ -210,12 +210,12 @@ def assert_epochs_once_and_lr_on_course(output_dir):
     nearest whole global batch may repeat or skip), the last one at the floor."""
     metrics = read_metrics(output_dir)
     assert [m["epoch"] for m in metrics] == [1, 2, 3]
-    cfg, plan = Config(lr=0.01), train.Plan(total_samples=3 * 1024, warmup_samples=0)
+    cfg, plan = Config(lr=LR), train.Plan(total_samples=3 * 1024, warmup_samples=0)
     for line in metrics:
         samples = 1024 * line["epoch"]
         nearby = [train.lr_at(samples + delta, cfg, plan) for delta in range(-64, 65, 32) if samples + delta <= 3072]
         assert min(nearby) - 1e-12 <= line["lr"] <= max(nearby) + 1e-12, (line, nearby)
-    assert metrics[-1]["lr"] == pytest.approx(0.001)
+    assert metrics[-1]["lr"] == pytest.approx(LR * 0.1)
 
 
 def test_elastic_job_takes_in_a_host_that_joins_mid_run(hosts, tmp_path):
@@ -265,7 +265,7 @@ def start_preflight(hosts, envs, logs_dir):
     processes = []
     for node, env in enumerate(envs):
         with open(logs[node], "w") as log:
-            command = [LAUNCH, "--preflight", "--hidden_dim", "64"]
+            command = [LAUNCH, "--preflight", *TINY]
             processes.append(hosts.popen(node, command, env=env, cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT))
     return processes, logs
 

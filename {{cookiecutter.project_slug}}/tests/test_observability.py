@@ -11,25 +11,15 @@ import termios
 from types import SimpleNamespace
 
 import pytest
+import task
 import torch
-import torch.nn.functional as F
 from conftest import PROJECT, TINY, probe_output, read_metrics, run_training, training_env
 
 import metrics
 from config import Config
-from dataset import SyntheticClassification, build_loaders, start_epoch
 from model import build_model
 
 pytestmark = pytest.mark.fixed_amp
-
-
-def test_flops_per_sample_are_counted_as_the_model_runs():
-    """FlopCounterMode on a meta-device model: 2 FLOPs per weight forward, 2 for the weight
-    gradient, 2 for the input gradient, except the first layer's (inputs need no gradient)."""
-    cfg = Config(input_dim=8, hidden_dim=16, num_classes=4)
-    weights = 8 * 16 + 16 * 16 + 16 * 4
-    sample = (torch.zeros(8), torch.tensor(1))
-    assert metrics.flops_per_sample(cfg, sample, F.cross_entropy) == 6 * weights - 2 * 8 * 16
 
 
 def test_mfu_arithmetic():
@@ -151,15 +141,16 @@ def test_compression_hooks_halve_the_all_reduced_bytes(tmp_path, hook, bytes_per
     # One process still all-reduces (a group of one) through the hook: the bytes are the same.
     result = run_training(tmp_path, "--comm_hook", hook, "--epochs", "1", probe="count_compressed_bytes")
     (counted,) = probe_output(result)
-    parameters = sum(p.numel() for p in build_model(Config(hidden_dim=32)).parameters())
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    parameters = sum(p.numel() for p in build_model(Config(**state["config"])).parameters())  # tied ones once
     steps = read_metrics(tmp_path)[-1]["step"]
     assert counted["compressed_bytes"] == steps * parameters * bytes_per_value  # fp32 would be 4 per value
-    assert read_metrics(tmp_path)[-1]["val_accuracy"] > 0.4
+    assert read_metrics(tmp_path)[-1]["val_loss"] < task.CHANCE_LOSS
 
 
 def test_powersgd_hook_trains(tmp_path):
     run_training(tmp_path, "--comm_hook", "powersgd", "--amp", "bf16")
-    assert read_metrics(tmp_path)[-1]["val_accuracy"] > 0.4
+    assert read_metrics(tmp_path)[-1]["val_loss"] < task.CHANCE_LOSS
 
 
 def test_compile_trains_and_matches_eager_closely(tmp_path):
@@ -167,18 +158,3 @@ def test_compile_trains_and_matches_eager_closely(tmp_path):
     run_training(tmp_path / "compiled", "--amp", "none", "--epochs", "1", "--compile", "true", timeout=300)
     eager, compiled = read_metrics(tmp_path / "eager")[0], read_metrics(tmp_path / "compiled")[0]
     assert compiled["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-3)
-
-
-def test_persistent_workers_still_get_fresh_noise_every_epoch():
-    cfg = Config(train_samples=64, batch_size=8, num_workers=2, persistent_workers=True, input_noise_std=1.0)
-    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    loader, _ = build_loaders(cfg, ctx)
-    assert isinstance(loader.dataset, SyntheticClassification)
-    epochs = []
-    for epoch in (0, 1, 0):
-        start_epoch(loader, epoch, rank=0, seed=cfg.seed)
-        order = list(loader.sampler)
-        inputs = torch.cat([batch for batch, _ in loader])
-        epochs.append(inputs[torch.argsort(torch.tensor(order))])  # by sample index
-    assert not torch.allclose(epochs[0], epochs[1])
-    assert torch.equal(epochs[0], epochs[2])  # the same epoch: the same noise

@@ -5,10 +5,12 @@ import json
 import re
 
 import pytest
+import task
 import torch
-from conftest import PROJECT, load_final_model, read_metrics, run_training
+from conftest import LR, PROJECT, read_metrics, run_training
 
 from config import Config
+from model import build_model
 
 REQUIRED_METRICS = {"epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_samples", "samples_per_s"}
 
@@ -23,11 +25,11 @@ def test_two_processes_write_one_metrics_line_per_epoch(two_process_run):
     assert [m["step"] for m in metrics] == [16, 32, 48]
 
 
-def test_training_learns_well_above_chance(two_process_run):
+def test_training_learns(two_process_run):
+    """Below the loss of a uniform guess over the classes (or bytes), and falling."""
     output_dir, _ = two_process_run
     metrics = read_metrics(output_dir)
-    chance = 1 / 4
-    assert metrics[-1]["val_accuracy"] > 2 * chance
+    assert metrics[-1]["val_loss"] < task.CHANCE_LOSS
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
 
 
@@ -38,7 +40,7 @@ def test_checkpoint_is_complete_and_loads_weights_only(two_process_run):
     assert (state["epoch"], state["step"]) == (3, 48)
     assert not any(key.startswith("module.") for key in state["model"])
     assert state["optimizer"]["state"], "optimizer state (AdamW moments) must be saved"
-    assert state["config"]["hidden_dim"] == 32
+    assert all(str(state["config"][flag[2:]]) == value for flag, value in zip(task.TINY[::2], task.TINY[1::2]))
     assert len(state["ranks"]) == 2
     json.dumps(state["config"])  # plain data
 
@@ -62,7 +64,24 @@ def test_single_process_without_torchrun(tmp_path):
     run_training(tmp_path, "--epochs", "1")
     metrics = read_metrics(tmp_path)
     assert len(metrics) == 1 and metrics[0]["val_samples"] == 256
-    assert set(load_final_model(tmp_path)) == {f"layers.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")}
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert state["model"].keys() == build_model(Config(**state["config"])).state_dict().keys()  # unwrapped
+
+
+@pytest.mark.fixed_amp
+def test_training_by_steps_evaluates_every_n_steps(tmp_path):
+    """--max_steps 20 runs past the first epoch (16 steps) and stops mid-epoch; --eval_every_steps
+    8 writes a metrics line (with its epoch and step) every 8 steps and at the end; the
+    schedule spans the 20 steps and ends at the floor."""
+    by_steps = ["--amp", "none", "--batch_size", "64", "--max_steps", "20", "--eval_every_steps", "8"]
+    run_training(tmp_path, *by_steps)
+    metrics = read_metrics(tmp_path)
+    assert [(m["epoch"], m["step"]) for m in metrics] == [(1, 8), (1, 16), (2, 20)]
+    assert metrics[-1]["lr"] == pytest.approx(LR * 0.1)
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["step"], state["epoch"], state["batches_done"]) == (20, 1, 4)
+    rerun = run_training(tmp_path, *by_steps)
+    assert "run already complete" in rerun.stdout
 
 
 @pytest.mark.fixed_amp
@@ -70,7 +89,7 @@ def test_the_trainer_follows_the_schedule_from_the_first_step(tmp_path):
     """Each optimizer step trains at lr_at(samples trained once it is done): with 4 warmup steps,
     lr/4, lr/2, 3lr/4 and lr at steps 1 to 4 (not 0 at step 1: that step would be wasted)."""
     result = run_training(tmp_path, "--amp", "none", "--epochs", "1", "--warmup_steps", "4", "--log_every_steps", "1",
-                          "--lr_schedule", "constant")  # fmt: skip
+                          "--lr_schedule", "constant", "--lr", "0.01")  # fmt: skip
     logged = re.findall(r"step (\d+) loss \S+ lr (\S+)", result.stdout)
     assert [(int(step), float(lr)) for step, lr in logged[:5]] == [
         (1, 0.0025),
@@ -86,13 +105,7 @@ def test_amp_modes_train(tmp_path):
     for amp in ("bf16", "fp16"):
         run_training(tmp_path / amp, "--epochs", "1", "--amp", amp)
         loss = read_metrics(tmp_path / amp)[0]["val_loss"]
-        assert loss == loss and loss < 2.0  # finite and learning
-
-
-def test_second_dataset_through_config(tmp_path):
-    """The README's worked example: another dataset class, chosen with --dataset."""
-    run_training(tmp_path, "--dataset", "blobs", "--epochs", "1")
-    assert read_metrics(tmp_path)[0]["val_accuracy"] > 0.9
+        assert loss < task.CHANCE_LOSS  # finite and learning
 
 
 def test_readme_config_table_matches_config():

@@ -1,0 +1,65 @@
+"""The floor for the language task: the least DDP code that trains the generated project's GPT on
+its token windows.
+
+Init, DDP wrap, DistributedSampler, loop; nothing else (no evaluation, checkpoints, logging,
+AMP, clipping or schedule). Run under torchrun from a generated language project's folder:
+
+    torchrun --standalone --nproc_per_node=2 minimal_gpt_ddp.py --data_dir data/text ...
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path.cwd()))  # the generated project: the same dataset and model code
+from dataset import TokenWindows
+from model import GPT
+
+parser = argparse.ArgumentParser()
+for name, default in [("train_samples", 4096), ("block_size", 128), ("n_layer", 4), ("n_head", 4), ("n_embd", 128),
+                      ("batch_size", 16), ("epochs", 1), ("seed", 0)]:  # fmt: skip
+    parser.add_argument(f"--{name}", type=int, default=default)
+parser.add_argument("--data_dir", default="data/text")
+parser.add_argument("--lr", type=float, default=1e-3)
+parser.add_argument("--weight_decay", type=float, default=0.01)
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(args.seed)
+data = TokenWindows(Path(args.data_dir) / "train.bin", args.block_size, args.train_samples, seed=args.seed)
+sampler = DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=True)
+loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+config = SimpleNamespace(vocab_size=256, dropout=0.0, activation_checkpointing=False, **vars(args))
+model = DDP(GPT(config))
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+if rank == 0:
+    print("BENCH first step", flush=True)
+# Timed from the end of the first step, as train.py's samples_per_s (steady state).
+samples, started, cpu_started = 0, None, None
+for epoch in range(args.epochs):
+    sampler.set_epoch(epoch)
+    data.set_epoch(epoch)
+    for inputs, targets in loader:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        optimizer.step()
+        if started is None:
+            started, cpu_started = time.perf_counter(), time.process_time()
+            continue
+        samples += len(targets)
+loop_seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+if rank == 0:
+    world = dist.get_world_size()
+    print("BENCH " + json.dumps({"loop_s": loop_seconds, "cpu_s": cpu_seconds, "samples": samples * world}), flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,88 @@
+"""Data loading shared by every task: the split across ranks, the loaders and seeding.
+
+dataset.py says what the data is (`build_datasets`); this file decides which process sees
+which samples, in which order, with which random seeds. It works unchanged for any map-style
+Dataset of (input, target) pairs.
+"""
+
+import hashlib
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+def mix_seed(*parts):
+    """A 63-bit seed derived from any values, e.g. (seed, rank, epoch); distinct inputs never
+    collide the way `seed + rank` does (seed 1, rank 0 == seed 0, rank 1)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class ShardedSampler(Sampler):
+    """DistributedSampler's split of one shuffled order, with batches independent of world size.
+
+    Each epoch shuffles all indices with a generator seeded from (seed, epoch) only, keeps
+    whole global batches and deals positions round-robin: rank r takes r, r+W, r+2W, ... So
+    the samples in global batch k are the same set for any number of processes W with the
+    same global batch size, and nothing is padded or duplicated. `start` (a multiple of the
+    global batch) skips samples already trained on, for a mid-epoch resume.
+    """
+
+    def __init__(self, num_samples, global_batch_size, rank, world_size, seed):
+        self.num_samples = num_samples
+        self.usable = num_samples // global_batch_size * global_batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch, start=0):
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
+        order = torch.randperm(self.num_samples, generator=generator)[: self.usable]
+        return iter(order[self.start + self.rank :: self.world_size].tolist())
+
+    def __len__(self):
+        return len(range(self.start + self.rank, self.usable, self.world_size))
+
+
+def build_loaders(cfg, ctx, train_set, val_set):
+    """The training loader (ShardedSampler) and the validation loader of this rank."""
+    global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
+    sampler = ShardedSampler(len(train_set), global_batch, ctx.rank, ctx.world_size, cfg.seed)
+    common = dict(
+        batch_size=cfg.batch_size,
+        num_workers=cfg.num_workers,
+        pin_memory=ctx.device.type == "cuda",  # page-locked buffers make non_blocking copies async
+        persistent_workers=cfg.num_workers > 0 and cfg.persistent_workers,
+        prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
+    )
+    # `start_epoch` seeds this generator from (seed, rank, epoch); from it torch seeds every
+    # worker's torch, random and numpy generators with a distinct value per worker id (once
+    # per epoch, or once per run with persistent workers). Augmentations then differ across
+    # ranks and workers and repeat run to run; for exact mid-epoch resume, derive them from
+    # (seed, epoch, index) like the built-in noise.
+    train_loader = DataLoader(train_set, sampler=sampler, generator=torch.Generator(), **common)
+    # Evaluation: every sample exactly once across ranks (ranks may get one sample more or
+    # less than others; metrics are reduced as sums and counts, so that is exact). Its workers
+    # are not kept between evaluations: they would hold memory through all of training.
+    val_sampler = range(ctx.rank, len(val_set), ctx.world_size)
+    val_loader = DataLoader(val_set, sampler=val_sampler, **{**common, "persistent_workers": False})
+    return train_loader, val_loader
+
+
+def start_epoch(loader, epoch, rank, seed, start=0):
+    """Call before iterating `loader` in an epoch (also on resume): new order, new noise,
+    newly seeded workers."""
+    loader.sampler.set_epoch(epoch, start)
+    if hasattr(loader.dataset, "set_epoch"):
+        loader.dataset.set_epoch(epoch)
+    loader.generator.manual_seed(mix_seed(seed, rank, epoch))

@@ -1,0 +1,95 @@
+"""Data: windows of text from the token files that prepare_data.py writes.
+
+`<data_dir>/train.bin` and `val.bin` are nanoGPT's format: token ids as uint16, one after
+another, so nanoGPT's prepare scripts can fill a data folder too. Each item is `block_size`
+tokens and the same tokens shifted by one: the model predicts every next token at once.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from knobs import ConfigError, knob
+from loaders import mix_seed
+
+DEFAULT_DATA_DIR = "data/text"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The data's knobs: fields of Config, each a --flag."""
+
+    data_dir: str = knob(DEFAULT_DATA_DIR, "folder with train.bin, val.bin and meta.json (python prepare_data.py)")
+    train_samples: int = knob(16384, "training windows per epoch, each at a fresh random offset every epoch")
+    val_samples: int = knob(512, "validation windows, fixed and evenly spread over val.bin (each evaluated once)")
+
+    def check_data(self):
+        if not self.data_dir:
+            raise ConfigError("data_dir", "must not be empty")
+        for name in ("train_samples", "val_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, "must be at least 1")
+
+    def resolve_data(self):
+        return {}
+
+
+class TokenWindows(Dataset):
+    """`num_samples` windows of `block_size + 1` consecutive tokens: (tokens, next tokens).
+
+    The file is memory-mapped, never read whole: the OS pages in the windows we touch, so a
+    corpus larger than RAM works. With `seed`, window i of epoch e starts at an offset drawn
+    from (seed, e, i): fresh windows every epoch, yet the same for any world size, worker count
+    or resume. Without it (validation) the windows are fixed and evenly spread over the file.
+    """
+
+    def __init__(self, path, block_size, num_samples, seed=None):
+        self.path, self.block_size, self.num_samples, self.seed = path, block_size, num_samples, seed
+        self.num_tokens = path.stat().st_size // 2  # uint16
+        if self.num_tokens < block_size + 1:
+            raise ConfigError(
+                "data_dir",
+                f"{path.parent} has {self.num_tokens} tokens in {path.name}, fewer than --block_size + 1 "
+                f"({block_size + 1}): prepare more text, or lower --block_size",
+            )
+        self.tokens = None  # the memory map, opened by the process that reads (see __getstate__)
+        # Shared memory: persistent DataLoader workers keep their copy of the dataset across
+        # epochs, and still see the epoch the main process sets.
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch):
+        self.epoch.fill_(epoch)
+
+    def __getstate__(self):
+        # A DataLoader worker started by spawn gets a pickled copy: it opens its own map.
+        return {**self.__dict__, "tokens": None}
+
+    def __len__(self):
+        return self.num_samples
+
+    def offset(self, index):
+        starts = self.num_tokens - self.block_size  # offsets that leave room for the shifted targets
+        if self.seed is None:
+            return index * (starts - 1) // max(1, self.num_samples - 1)
+        return mix_seed(self.seed, int(self.epoch), index) % starts
+
+    def __getitem__(self, index):
+        if self.tokens is None:
+            self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+        start = self.offset(index)
+        window = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+def build_datasets(cfg):
+    folder = Path(cfg.data_dir)
+    fix = "run python prepare_data.py" + ("" if cfg.data_dir == DEFAULT_DATA_DIR else f" --output_dir {folder}")
+    for name in ("train.bin", "val.bin"):
+        if not (folder / name).is_file():
+            raise ConfigError("data_dir", f"{folder} has no {name}: {fix} first")
+    train = TokenWindows(folder / "train.bin", cfg.block_size, cfg.train_samples, seed=cfg.seed)
+    val = TokenWindows(folder / "val.bin", cfg.block_size, cfg.val_samples)
+    return train, val

@@ -1,0 +1,154 @@
+"""A decoder-only transformer (GPT) that predicts the next token, nanoGPT-style.
+
+Pre-LayerNorm blocks of causal self-attention and a GELU MLP, learned position embeddings,
+and an output layer that shares its weights with the token embedding. train.py only calls
+`build_model`; the knobs are the ModelConfig fields below, each a --flag.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from knobs import ConfigError, knob
+
+# A checkpoint to resume must match these (the other fields may change between runs).
+SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's knobs: fields of Config, each a --flag."""
+
+    vocab_size: int = knob(0, "token ids the model knows, 0 = read from <data_dir>/meta.json")
+    block_size: int = knob(256, "context length in tokens (each training window is this long)")
+    n_layer: int = knob(6, "transformer blocks")
+    n_head: int = knob(6, "attention heads per block")
+    n_embd: int = knob(384, "width of the residual stream (a multiple of n_head)")
+    dropout: float = knob(0.0, "dropout probability on embeddings, attention and residual branches, 0 = off")
+    activation_checkpointing: bool = knob(
+        False, "recompute each block's activations in backward: less memory, ~30% more compute"
+    )
+
+    def check_model(self):
+        for name in ("block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, "must be at least 1")
+        if self.vocab_size < 0:
+            raise ConfigError("vocab_size", "must not be negative (0 = read from <data_dir>/meta.json)")
+        if self.n_embd % self.n_head:
+            raise ConfigError("n_embd", f"must be a multiple of --n_head ({self.n_head})")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError("dropout", "must be at least 0 and less than 1")
+
+    def resolve_model(self):
+        if self.vocab_size:
+            return {}
+        meta = Path(self.data_dir) / "meta.json"
+        if not meta.is_file():
+            raise ConfigError(
+                "vocab_size",
+                f"is 0 (read from <data_dir>/meta.json), but {meta} does not exist: run python prepare_data.py first",
+            )
+        try:
+            vocab_size = int(json.loads(meta.read_text())["vocab_size"])
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError("vocab_size", f"is 0, but {meta} holds no vocab_size: pass --vocab_size") from None
+        return {"vocab_size": vocab_size}
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        # One fused kernel (flash or memory-efficient where the device has one); is_causal masks
+        # the future without building a T x T mask.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm: the residual stream itself is never normalised, which keeps deep stacks stable."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = SelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """tokens [batch, time] (int64) -> logits [batch, time, vocab_size] for the token that follows each."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.block_size, self.activation_checkpointing = cfg.block_size, cfg.activation_checkpointing
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))  # one unit each, for sharding later
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        # Weight tying: reading a token in and writing it out share one matrix (fewer parameters,
+        # and a small model learns faster).
+        self.lm_head.weight = self.tok_emb.weight
+
+        # GPT-2's initialisation; each residual projection is scaled by 1/sqrt(2 x n_layer) so the
+        # residual stream's variance does not grow with depth (two branches add to it per block).
+        self.apply(self._init_weights)
+        for name, parameter in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(parameter, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens):
+        T = tokens.shape[1]
+        if T > self.block_size:
+            raise ValueError(f"{T} tokens do not fit the context of --block_size {self.block_size}")
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device)))
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                # Keep only the block's input; backward reruns its forward (same dropout masks:
+                # checkpoint restores the RNG state).
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def build_model(cfg):
+    return GPT(cfg)

@@ -1,0 +1,99 @@
+"""Turn text into the token files train.py reads: train.bin, val.bin and meta.json.
+
+    python prepare_data.py                                   # the Python standard library's source
+    python prepare_data.py --input notes/                    # every UTF-8 text file under a folder
+    python prepare_data.py --input book.txt --output_dir data/book
+
+Tokens are UTF-8 bytes (a vocabulary of 256), so any text works offline, with no tokenizer to
+download. The .bin files are nanoGPT's format (uint16 token ids, one after another): its
+prepare scripts (e.g. GPT-2 BPE) can fill a data folder too; then write meta.json with their
+vocab_size, or pass --vocab_size to train.py.
+"""
+
+import argparse
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from knobs import OneLineParser, exit_with_error
+
+# Left out of the default corpus: installed packages, the test suites (huge and repetitive)
+# and IDLE.
+STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
+
+
+def stdlib_sources():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    print(f"no --input: using the Python standard library's source in {root}")
+    files = sorted(path for path in root.rglob("*.py") if not STDLIB_SKIP & set(path.relative_to(root).parts[:-1]))
+    if not files:
+        exit_with_error(f"no --input given, and {root} holds no Python source: pass --input")
+    return files
+
+
+def text_files(root):
+    if root.is_file():
+        return [root]
+    # Hidden files and folders (.git, editor state) are not text anyone means to train on.
+    files = (path for path in root.rglob("*") if path.is_file())
+    return sorted(path for path in files if not any(part.startswith(".") for part in path.relative_to(root).parts))
+
+
+def main(argv=None):
+    parser = OneLineParser(
+        description="Write train.bin, val.bin and meta.json (byte tokens) from text files.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--input", help="a UTF-8 text file or a folder of them; default: the Python stdlib's source")
+    parser.add_argument("--output_dir", default="data/text", help="folder to write the token files to")
+    parser.add_argument("--val_fraction", type=float, default=0.1, help="the last this much of the text is validation")
+    parser.add_argument("--max_bytes", type=int, default=0, help="use at most this many bytes of text, 0 = all")
+    args = parser.parse_args(argv)
+    if not 0 < args.val_fraction < 1:
+        exit_with_error("--val_fraction must be between 0 and 1")
+    if args.max_bytes < 0:
+        exit_with_error("--max_bytes must not be negative")
+
+    if args.input is None:
+        files = stdlib_sources()
+    elif Path(args.input).exists():
+        files = text_files(Path(args.input))
+    else:
+        exit_with_error(f"--input {args.input} does not exist")
+
+    texts, used, skipped, size = [], 0, 0, 0
+    for path in files:
+        try:
+            data = path.read_bytes()
+            data.decode("utf-8")  # only to check: the tokens are the bytes themselves
+        except (OSError, UnicodeDecodeError):
+            skipped += 1
+            continue
+        texts.append(data)
+        used, size = used + 1, size + len(data) + 2
+        if args.max_bytes and size >= args.max_bytes:
+            break
+    if not texts:
+        exit_with_error(f"--input {args.input} has no readable UTF-8 text ({skipped} files, none valid UTF-8)")
+    text = b"\n\n".join(texts)  # a blank line between files
+    if args.max_bytes:
+        text = text[: args.max_bytes]
+
+    tokens = np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
+    num_val = int(len(tokens) * args.val_fraction)
+    train, val = tokens[: len(tokens) - num_val], tokens[len(tokens) - num_val :]
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    train.tofile(output_dir / "train.bin")
+    val.tofile(output_dir / "val.bin")
+    (output_dir / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes"}) + "\n")
+    print(
+        f"{used} files ({skipped} skipped: not UTF-8 or unreadable), {len(text):,} bytes -> {output_dir}: "
+        f"{len(train):,} train tokens, {len(val):,} val tokens"
+    )
+
+
+if __name__ == "__main__":
+    main()

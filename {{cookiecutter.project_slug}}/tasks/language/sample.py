@@ -1,0 +1,90 @@
+"""Generate text with a trained model: one process, CPU or GPU.
+
+    python sample.py --checkpoint runs/default/checkpoints/last.pt --prompt "def main(" --max_new_tokens 300
+
+Text is encoded as UTF-8 bytes, the tokens prepare_data.py writes; bytes that do not form
+valid UTF-8 are printed as the replacement character.
+"""
+
+import argparse
+from types import SimpleNamespace
+
+import torch
+
+from knobs import OneLineParser, exit_with_error
+from model import build_model
+
+
+def parse_args():
+    parser = OneLineParser(
+        description="Continue a prompt with a trained checkpoint.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint train.py wrote, e.g. .../last.pt")
+    parser.add_argument("--prompt", default="\n", help="text to continue")
+    parser.add_argument("--max_new_tokens", type=int, default=500, help="tokens (bytes) to generate")
+    parser.add_argument("--temperature", type=float, default=0.8, help="below 1 is safer, above 1 wilder; 0 = greedy")
+    parser.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens only, 0 = all")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda if available")
+    args = parser.parse_args()
+    if not args.prompt:
+        exit_with_error("--prompt must not be empty")
+    if args.max_new_tokens < 0 or args.top_k < 0 or args.temperature < 0:
+        exit_with_error("--max_new_tokens, --top_k and --temperature must not be negative")
+    return args
+
+
+@torch.no_grad()
+def generate(model, tokens, max_new_tokens, block_size, temperature, top_k):
+    """Append one sampled token at a time to `tokens` [1, T]; the model sees the last block_size."""
+    for _ in range(max_new_tokens):
+        logits = model(tokens[:, -block_size:])[:, -1, :].float()
+        if temperature == 0:
+            next_token = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits[logits < kth_best] = -float("inf")
+            next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+        tokens = torch.cat((tokens, next_token), dim=1)
+    return tokens
+
+
+def main():
+    args = parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        exit_with_error("--device cuda, but PyTorch sees no CUDA GPU: use --device cpu")
+    device = torch.device(args.device)
+
+    try:
+        # weights_only: tensors and plain values only, so a checkpoint cannot run code on load.
+        state = torch.load(args.checkpoint, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        exit_with_error(f"--checkpoint {args.checkpoint} does not exist")
+    except Exception as error:  # anything from a folder to junk bytes; torch's own messages run many lines
+        exit_with_error(
+            f"--checkpoint {args.checkpoint} cannot be read as a PyTorch checkpoint ({type(error).__name__})"
+        )
+    if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
+        exit_with_error(f"--checkpoint {args.checkpoint} has no model and config: not a checkpoint train.py wrote")
+    cfg = SimpleNamespace(**state["config"])
+    if cfg.vocab_size != 256:
+        exit_with_error(
+            f"--checkpoint has vocab_size {cfg.vocab_size}, but sample.py encodes text as bytes (256 tokens)"
+        )
+
+    model = build_model(cfg)
+    model.load_state_dict(state["model"])
+    model.to(device).eval()
+    torch.manual_seed(args.seed)
+    prompt = torch.tensor([list(args.prompt.encode("utf-8"))], dtype=torch.long, device=device)
+    tokens = generate(model, prompt, args.max_new_tokens, cfg.block_size, args.temperature, args.top_k)
+    print(bytes(tokens[0].tolist()).decode("utf-8", errors="replace"))
+
+
+if __name__ == "__main__":
+    main()

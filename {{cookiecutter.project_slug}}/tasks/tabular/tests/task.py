@@ -1,0 +1,21 @@
+"""This project's task, for the shared tests: a tiny model, its data, and what differs."""
+
+import math
+
+# A tiny model (conftest.py adds the sizes every task shares).
+TINY = ["--hidden_dim", "32", "--lr", "0.01"]
+# Randomness inside the data pipeline, for the seeding tests: training inputs get noise.
+AUGMENT = ["--input_noise_std", "0.3"]
+# Whether gradient accumulation trains other parameters than one big batch.
+ACCUMULATION_CHANGES_RESULTS = False
+# The validation loss of a uniform guess: training must end below it.
+CHANCE_LOSS = math.log(4)  # 4 classes
+# A change of model shape that a checkpoint must refuse, and the line that says so.
+SHAPE_CHANGE = (["--hidden_dim", "48"], "--hidden_dim is 48, the checkpoint's is 32")
+# Fields that scripts and sweeps of this task rely on (besides the shared ones).
+CONTRACT_FIELDS = ("train_samples", "val_samples", "input_dim", "hidden_dim", "num_classes", "dataset")
+
+
+def prepare_data(folder):
+    """The data is made in memory from the seed: nothing to prepare, no arguments to add."""
+    return []

@@ -1,0 +1,74 @@
+"""Classify images with a trained checkpoint, in one process.
+
+    python predict.py --checkpoint runs/default/checkpoints/last.pt cat.png dog.jpg
+
+Prints `PATH: CLASS (probability)` per image. Images are preprocessed exactly as validation
+images are (dataset.preprocess). Class names come from <data_dir>/classes.json, else the class
+folders of <data_dir>/train, else the label index.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from dataset import load_image, preprocess
+from model import build_model
+
+
+def label_names(data_dir, num_classes):
+    classes_json, train = Path(data_dir) / "classes.json", Path(data_dir) / "train"
+    if classes_json.is_file():
+        names = json.loads(classes_json.read_text())
+    elif train.is_dir():
+        names = sorted(p.name for p in train.iterdir() if p.is_dir())
+    else:
+        names = []
+    return names if len(names) == num_classes else [str(i) for i in range(num_classes)]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Classify images with a trained checkpoint.")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by train.py")
+    parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files (png, jpg, ...)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda if available")
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU available")
+    device = torch.device(args.device)
+
+    if not Path(args.checkpoint).is_file():
+        sys.exit(f"error: checkpoint {args.checkpoint} not found")
+    try:
+        state = torch.load(args.checkpoint, map_location=device, weights_only=True)
+        cfg = SimpleNamespace(**state["config"])  # every Config field, num_classes resolved
+        model = build_model(cfg)
+        model.load_state_dict(state["model"])
+    except Exception as error:  # truncated file, not a checkpoint, another model's weights
+        problem = " ".join(str(error).split())  # load_state_dict's message spans lines
+        sys.exit(f"error: checkpoint {args.checkpoint} is unreadable ({type(error).__name__}: {problem})")
+    model.to(device).eval()
+    names = label_names(cfg.data_dir, cfg.num_classes)
+
+    failed = False
+    for path in args.images:
+        try:
+            image = preprocess(load_image(path), cfg.image_size)
+        except OSError as error:  # names the file; the other images are still classified
+            print(f"error: {error}", file=sys.stderr)
+            failed = True
+            continue
+        with torch.no_grad():
+            probabilities = model(image[None].to(device)).float().softmax(dim=-1)[0]
+        probability, label = (t.item() for t in probabilities.max(dim=0))
+        print(f"{path}: {names[label]} ({probability:.3f})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

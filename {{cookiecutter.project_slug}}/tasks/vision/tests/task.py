@@ -1,0 +1,26 @@
+"""This project's task, for the shared tests: a tiny model, its data, and what differs."""
+
+import math
+
+import prepare_data as prepare
+
+# A tiny ResNet on 16x16 digits (conftest.py adds the sizes every task shares).
+# lr 0.001: at 0.01 this ResNet's training is chaotic enough that float rounding (1e-7 after
+# one step) grows to 1e-2 in 16 steps, and 1 x 64 against 2 x 32 would compare rounding, not
+# DDP. At 0.001 the two stay within 1e-5.
+TINY = ["--image_size", "16", "--width", "8", "--depth", "1", "--lr", "0.001"]
+# Randomness inside the data pipeline: random-resized crops and flips from (seed, epoch, index).
+AUGMENT = ["--hflip", "true"]
+# Whether gradient accumulation trains other parameters than one big batch.
+ACCUMULATION_CHANGES_RESULTS = True  # BatchNorm normalises each micro-batch: accumulating changes the statistics
+# The validation loss of a uniform guess: training must end below it.
+CHANCE_LOSS = math.log(10)  # 10 digits
+SHAPE_CHANGE = (["--width", "12"], "--width is 12, the checkpoint's is 8")
+CONTRACT_FIELDS = ("data_dir", "train_samples", "val_samples", "image_size", "num_classes", "width", "depth")
+CONTRACT_FIELDS += ("sync_batchnorm", "channels_last")
+
+
+def prepare_data(folder):
+    """scikit-learn's handwritten digits as PNG files, as prepare_data.py writes them."""
+    prepare.main(["--output_dir", str(folder / "digits")])
+    return ["--data_dir", str(folder / "digits")]
