@@ -1,10 +1,11 @@
 """Mutation check of the generated project's own test suite (not part of CI: minutes per bug).
 
-Bakes the template with its defaults, then for each mutant, one at a time: copies the project,
-applies one realistic bug (an exact text replacement that must match once, so a mutant that
-no longer fits the code fails loudly instead of passing silently), and runs the tests that
-should catch it. A mutant is *caught* when those tests fail. First, a control run checks that
-the same tests pass on the unchanged project. Prints a Markdown table.
+Bakes the template with its defaults (and each other task a mutant names), then for each
+mutant, one at a time: copies the project of its task, applies one realistic bug (an exact
+text replacement that must match once, so a mutant that no longer fits the code fails loudly
+instead of passing silently), and runs the tests that should catch it. A mutant is *caught*
+when those tests fail. First, a control run checks that the same tests pass on the unchanged
+projects. Prints a Markdown table.
 
     bash dev/mutants.sh                        # every mutant, once
     bash dev/mutants.sh --repeat 3             # each three times: "caught every time"
@@ -34,6 +35,7 @@ class Mutant:
     old: str
     new: str
     tests: tuple
+    task: str = "language"  # the project it applies to; the default task unless a task's own code
 
 
 CORRECTNESS = "tests/test_correctness.py"
@@ -218,13 +220,39 @@ MUTANTS = [
         "PET_SHUTDOWN_TIMEOUT=$(( STOP_GRACE_SECONDS > 20 ? STOP_GRACE_SECONDS - 10 : STOP_GRACE_SECONDS ))",
         (f"{PREEMPTION}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
     ),
+    Mutant(
+        "embeddings_untied",
+        "the GPT's output layer gets its own matrix",
+        "model.py",
+        "        self.lm_head.weight = self.tok_emb.weight\n",
+        "",
+        ("tests/test_task.py::test_input_and_output_embeddings_are_one_matrix",),
+    ),
+    Mutant(
+        "batchnorm_not_synced",
+        "each process normalises by its own share of the batch",
+        "model.py",
+        "    if cfg.sync_batchnorm:\n        model = sync_batchnorms(model)\n",
+        "",
+        (f"{CORRECTNESS}::test_world_size_and_accumulation_give_the_same_parameters",),
+        task="vision",
+    ),
+    Mutant(
+        "augmentation_from_the_global_rng",
+        "crops and flips drawn from the process's generator, not (seed, epoch, index)",
+        "dataset.py",
+        "generator = torch.Generator().manual_seed(mix_seed(self.seed, int(self.epoch), index))",
+        "generator = None",
+        ("tests/test_task.py::test_augmentation_depends_on_seed_epoch_and_index_only",),
+        task="vision",
+    ),
 ]
 
 
-def bake(folder):
+def bake(folder, task):
     cookiecutter = Path(sys.executable).parent / "cookiecutter"
-    subprocess.run([str(cookiecutter), "--no-input", str(TEMPLATE), "--output-dir", str(folder)], check=True,
-                   capture_output=True)  # fmt: skip
+    subprocess.run([str(cookiecutter), "--no-input", str(TEMPLATE), "--output-dir", str(folder), f"task={task}"],
+                   check=True, capture_output=True)  # fmt: skip
     (project,) = [p for p in Path(folder).iterdir() if p.is_dir()]
     return project
 
@@ -268,19 +296,20 @@ def main():
         parser.error(f"unknown mutant(s): {', '.join(unknown)}; see --list")
     if args.list:
         for m in MUTANTS:
-            print(f"{m.name}: {m.bug} ({m.file}) -> {', '.join(m.tests)}")
+            print(f"{m.name}: {m.bug} ({m.task}: {m.file}) -> {', '.join(m.tests)}")
         return 0
     selected = [by_name[name] for name in args.names] or MUTANTS
     with tempfile.TemporaryDirectory(prefix="mutants-") as scratch:
-        base = bake(Path(scratch) / "base")
+        tasks = sorted({m.task for m in selected})
+        base = {task: bake(Path(scratch) / "base" / task, task) for task in tasks}
         for mutant in selected:  # every mutant still fits the code before anything runs
             copy = Path(scratch) / "check" / mutant.name
-            shutil.copytree(base, copy)
+            shutil.copytree(base[mutant.task], copy)
             apply(mutant, copy)
-        if not args.no_control:
-            tests = sorted({test for m in selected for test in m.tests})
-            code, seconds, tail = run_tests(base, tests)
-            print(f"control (unchanged project, {len(tests)} test selections): {tail} [{seconds:.0f} s]", flush=True)
+        for task in [] if args.no_control else tasks:
+            tests = sorted({test for m in selected if m.task == task for test in m.tests})
+            code, seconds, tail = run_tests(base[task], tests)
+            print(f"control ({task}, unchanged, {len(tests)} test selections): {tail} [{seconds:.0f} s]", flush=True)
             if code != 0:
                 print("the control run failed: fix the suite before reading the mutants", file=sys.stderr)
                 return 1
@@ -289,7 +318,7 @@ def main():
             outcomes = []
             for attempt in range(args.repeat):
                 project = Path(scratch) / "runs" / f"{mutant.name}_{attempt}"
-                shutil.copytree(base, project)
+                shutil.copytree(base[mutant.task], project)
                 apply(mutant, project)
                 code, seconds, tail = run_tests(project, mutant.tests)
                 outcomes.append((code != 0, seconds))

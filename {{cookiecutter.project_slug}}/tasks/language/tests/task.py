@@ -10,7 +10,7 @@ import prepare_data as prepare
 # lr 0.001: at 0.01 this model's training is chaotic enough that float rounding (1e-7 after a
 # step) grows past 1e-2 in 32 steps, and 1 x 64 against 2 x 32 would compare rounding, not
 # DDP; at 0.001 the two stay within 2e-5.
-TINY = ["--block_size", "32", "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--lr", "0.001"]
+TINY = ["--block_size", "16", "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--lr", "0.001"]
 # Randomness inside the data pipeline: the training windows' offsets come from (seed, epoch,
 # index) already.
 AUGMENT = []
