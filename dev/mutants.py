@@ -65,7 +65,7 @@ MUTANTS = [
         "train.py",
         "self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()",
         "self.scaler.scale(loss).backward()",
-        (f"{CORRECTNESS}::test_world_size_and_accumulation_give_the_same_parameters",),
+        (f"{CORRECTNESS}::test_world_size_and_accumulation_give_the_same_gradients",),
     ),
     Mutant(
         "per_rank_mean_evaluation",

@@ -1,7 +1,7 @@
 """Run train.py's `main` with one fault or instrument installed (tests only).
 
-    torchrun --nproc_per_node=2 tests/ddp_probe.py PROBE [train.py arguments]
-    python tests/ddp_probe.py PROBE [train.py arguments]
+    torchrun --nproc_per_node=2 tests/ddp_probe.py PROBE[,PROBE...] [train.py arguments]
+    python tests/ddp_probe.py PROBE[,PROBE...] [train.py arguments]
 
 Probes change nothing in the product code: they wrap its functions from the outside.
 Rank 0 prints results as lines starting with "PROBE ".
@@ -208,6 +208,20 @@ def record_clip():
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
 
+def record_grad_norms():
+    """Print the total gradient norm of every optimizer step (clipping computes it)."""
+    original = torch.nn.utils.clip_grad_norm_
+    norms = []
+
+    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+        norm = original(parameters, max_norm, *args, **kwargs)
+        norms.append(norm.item())
+        return norm
+
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    return lambda: probe_print(grad_norms=norms)
+
+
 def slow():
     """Sleep 50 ms per micro-step, so a test can signal or kill processes mid-run."""
     original = train.Trainer._run_batch
@@ -281,14 +295,15 @@ def count_compressed_bytes():
 
 PROBES = {
     f.__name__: f
-    for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip)
+    for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write)
 }
 
 if __name__ == "__main__":
-    finish = PROBES[sys.argv[1]]()
+    finishes = [PROBES[name]() for name in sys.argv[1].split(",")]  # "a,b": both probes
     code = train.main(sys.argv[2:])
-    if finish:
-        finish()
+    for finish in finishes:
+        if finish:
+            finish()
     sys.exit(code)

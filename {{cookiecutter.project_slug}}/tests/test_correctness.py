@@ -24,16 +24,18 @@ EXACT = ["--amp", "none", "--epochs", "2", "--val_samples", "255"]  # odd: ranks
 
 @pytest.fixture(scope="module")
 def equivalent_runs(tmp_path_factory):
-    """The same global batch (64) three ways; the last also counts gradient all-reduces."""
+    """The same global batch (64) three ways, each recording its gradient norms; the last also
+    counts gradient all-reduces."""
     runs = {}
     for name, args, nproc, probe in [
-        ("1x64", ["--batch_size", "64"], 1, None),
-        ("2x32", ["--batch_size", "32"], 2, None),
-        ("2x16_accum2", ["--batch_size", "16", "--grad_accum_steps", "2"], 2, "count_allreduce"),
+        ("1x64", ["--batch_size", "64"], 1, "record_grad_norms"),
+        ("2x32", ["--batch_size", "32"], 2, "record_grad_norms"),
+        ("2x16_accum2", ["--batch_size", "16", "--grad_accum_steps", "2"], 2, "record_grad_norms,count_allreduce"),
     ]:
         output_dir = tmp_path_factory.mktemp(name)
         result = run_training(output_dir, *EXACT, *args, nproc=nproc, probe=probe)
-        runs[name] = SimpleNamespace(output_dir=output_dir, result=result, model=load_final_model(output_dir))
+        probed = {key: value for line in probe_output(result) for key, value in line.items()}
+        runs[name] = SimpleNamespace(output_dir=output_dir, probed=probed, model=load_final_model(output_dir))
     return runs
 
 
@@ -51,6 +53,16 @@ def test_world_size_and_accumulation_give_the_same_parameters(equivalent_runs):
             assert relative_difference(model[key], reference[key]) < 1e-4, (name, key)
 
 
+def test_world_size_and_accumulation_give_the_same_gradients(equivalent_runs):
+    """Adam barely notices gradients off by a constant factor (a loss not divided by the
+    accumulation steps), so equal parameters alone would not show it; clipping thresholds and
+    SGD would. Every step's gradient norm must match the single-process run's."""
+    reference = equivalent_runs["1x64"].probed["grad_norms"]
+    assert len(reference) == 2 * 1024 // 64
+    for name in compared_runs():
+        assert equivalent_runs[name].probed["grad_norms"] == pytest.approx(reference, rel=1e-3), name
+
+
 def test_world_size_and_accumulation_give_the_same_metrics(equivalent_runs):
     reference = read_metrics(equivalent_runs["1x64"].output_dir)
     for name in compared_runs():
@@ -63,10 +75,9 @@ def test_world_size_and_accumulation_give_the_same_metrics(equivalent_runs):
 
 def test_accumulation_all_reduces_once_per_optimizer_step(equivalent_runs):
     run = equivalent_runs["2x16_accum2"]
-    (counts,) = probe_output(run.result)
     steps = read_metrics(run.output_dir)[-1]["step"]
     assert steps == 2 * 1024 // 64
-    assert counts["allreduce_calls"] == steps  # one bucket for this small model, once per step
+    assert run.probed["allreduce_calls"] == steps  # one bucket for this small model, once per step
 
 
 def test_evaluation_counts_every_sample_once(equivalent_runs, tmp_path):
