@@ -191,34 +191,36 @@ def eval_only():
     train.Trainer.train = evaluate
 
 
-def record_clip():
-    """Print the gradient norm that clipping sees in the first step, and the norm after it."""
+def on_clip(record):
+    """Wrap torch's clip_grad_norm_ so that `record(parameters, total_norm)` sees every call."""
     original = torch.nn.utils.clip_grad_norm_
-    calls = []
 
     def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
         parameters = list(parameters)
-        before = original(parameters, max_norm, *args, **kwargs)
+        norm = original(parameters, max_norm, *args, **kwargs)
+        record(parameters, norm)
+        return norm
+
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def record_clip():
+    """Print the gradient norm that clipping sees in the first step, and the norm after it."""
+    calls = []
+
+    def record(parameters, before):
         if not calls:
             after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in parameters]))
             probe_print(before=before.item(), after=after.item())
         calls.append(1)
-        return before
 
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    on_clip(record)
 
 
 def record_grad_norms():
     """Print the total gradient norm of every optimizer step (clipping computes it)."""
-    original = torch.nn.utils.clip_grad_norm_
     norms = []
-
-    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
-        norm = original(parameters, max_norm, *args, **kwargs)
-        norms.append(norm.item())
-        return norm
-
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    on_clip(lambda parameters, norm: norms.append(norm.item()))
     return lambda: probe_print(grad_norms=norms)
 
 
