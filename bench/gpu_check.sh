@@ -11,6 +11,10 @@
 #   5. the preflight's predicted step time is within +-25% of the measured bf16 step.
 #   6. the language task: a GPT big enough to be compute-bound (12 layers x 768, 1024-token
 #      context) in bf16 with torch.compile: tokens/s and MFU. Target: MFU >= 40% on H100/H200.
+#   7. the same GPT under --strategy fsdp (1 process, NCCL, bf16 MixedPrecisionPolicy, compile,
+#      asynchronous sharded checkpoints, then export.py): tokens/s, MFU and peak memory beside
+#      check 6's ddp run. Target: tokens/s >= 0.9x ddp (with one GPU nothing is sharded: this
+#      checks the code path on CUDA and its overhead, not the memory saving).
 #
 #   bash bench/gpu_check.sh                 # renders the template (needs cookiecutter)
 #   bash bench/gpu_check.sh PROJECT_DIR     # an already generated project
@@ -171,5 +175,27 @@ print('ok' if ok else 'below 40%')
     check "GPT 12x768, 1024 tokens, bf16, compile: MFU >= 40%" "$( [[ $verdict == ok ]] && echo ok || echo "$verdict" ) ($(echo "$gpt" | head -n 1))"
 else
     check "GPT 12x768, 1024 tokens, bf16, compile: MFU >= 40%" "$(tail -n 3 "$runs/gpt.log" | tr '\n' ' ')"
+fi
+
+# --- 7. the same GPT under --strategy fsdp ----------------------------------------------------
+if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py \
+    --data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 \
+    --amp bf16 --compile true --max_steps 120 --eval_every_steps 60 --val_samples 64 --log_every_steps 0 \
+    --strategy fsdp --async_checkpoint true --checkpoint_every_steps 60 \
+    --progress_bar false --resume none --output_dir "$runs/gpt_fsdp" >"$runs/gpt_fsdp.log" 2>&1) &&
+    (cd "$language" && "$python" export.py "$runs/gpt_fsdp/checkpoints/last" "$runs/gpt_fsdp.pt" >>"$runs/gpt_fsdp.log" 2>&1); then
+    fsdp=$("$python" -c "
+import json
+ddp = json.loads(open('$runs/gpt/metrics.jsonl').read().splitlines()[-1])
+fsdp = json.loads(open('$runs/gpt_fsdp/metrics.jsonl').read().splitlines()[-1])
+ratio = fsdp['tokens_per_s'] / ddp['tokens_per_s']
+print(f\"{fsdp['tokens_per_s']:.0f} tokens/s ({ratio:.2f}x ddp), MFU {100 * fsdp.get('mfu', 0):.1f}%, \"
+      f\"peak {fsdp['peak_memory_mb']:.0f} MB (ddp {ddp['peak_memory_mb']:.0f} MB)\")
+print('ok' if ratio >= 0.9 else 'below 0.9x ddp')
+")
+    verdict=$(echo "$fsdp" | tail -n 1)
+    check "GPT 12x768 --strategy fsdp, bf16, compile: >= 0.9x ddp" "$( [[ $verdict == ok ]] && echo ok || echo "$verdict" ) ($(echo "$fsdp" | head -n 1))"
+else
+    check "GPT 12x768 --strategy fsdp, bf16, compile: >= 0.9x ddp" "$(tail -n 3 "$runs/gpt_fsdp.log" | tr '\n' ' ')"
 fi
 exit $failed

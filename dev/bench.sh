@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Benchmark the generated train.py against a minimal DDP loop (see bench/run.py).
+# Benchmark the generated train.py against a minimal DDP loop (see bench/run.py), or with
+# --fsdp its two strategies against each other (see bench/fsdp.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
+if [[ ${1:-} == --fsdp ]]; then
+    shift
+    exec .venv/bin/python bench/fsdp.py "$@"
+fi
 exec .venv/bin/python bench/run.py "$@"

@@ -41,6 +41,7 @@ class Mutant:
 CORRECTNESS = "tests/test_correctness.py"
 RESILIENCE = "tests/test_resilience.py"
 PREEMPTION = "tests/test_preemption.py"
+FSDP = "tests/test_fsdp.py"
 
 MUTANTS = [
     Mutant(
@@ -54,9 +55,9 @@ MUTANTS = [
     Mutant(
         "no_sync_dropped",
         "gradients all-reduced on every micro-step",
-        "train.py",
-        "with contextlib.nullcontext() if sync else self.model.no_sync():",
-        "with contextlib.nullcontext():",
+        "strategy.py",
+        "return contextlib.nullcontext() if sync else self.model.no_sync()",
+        "return contextlib.nullcontext()",
         (f"{CORRECTNESS}::test_accumulation_all_reduces_once_per_optimizer_step",),
     ),
     Mutant(
@@ -105,8 +106,8 @@ MUTANTS = [
     Mutant(
         "optimizer_not_restored",
         "resume starts AdamW's moments afresh",
-        "train.py",
-        '        self.optimizer.load_state_dict(state["optimizer"])\n',
+        "strategy.py",
+        '        optimizer.load_state_dict(state["optimizer"])\n',
         "",
         (f"{RESILIENCE}::test_resume_mid_epoch_is_bit_identical",),
     ),
@@ -227,6 +228,41 @@ MUTANTS = [
         "        self.lm_head.weight = self.tok_emb.weight\n",
         "",
         ("tests/test_task.py::test_input_and_output_embeddings_are_one_matrix",),
+    ),
+    Mutant(
+        "fsdp_clip_per_shard",
+        "fsdp: each rank clips its gradient shards by their own norm",
+        "strategy.py",
+        "        return torch.nn.utils.clip_grad_norm_(parameters, max_norm).full_tensor()\n",
+        "        shards = [p.grad.to_local() for p in parameters]\n"
+        "        norm = torch.nn.utils.get_total_norm(shards)\n"
+        "        torch.nn.utils.clip_grads_with_norm_(shards, max_norm, norm)\n"
+        "        return norm\n",
+        (f"{FSDP}::test_fsdp_trains_the_same_parameters_as_ddp",),
+    ),
+    Mutant(
+        "init_from_the_global_rng",
+        "weights drawn from the global generator: a meta-device start differs from an ordinary one",
+        "strategy.py",
+        "        torch.manual_seed(mix_seed(seed, zlib.crc32(name.encode())))\n",
+        "",
+        (f"{FSDP}::test_meta_device_start_gives_the_weights_of_an_ordinary_start",),
+    ),
+    Mutant(
+        "fsdp_evaluation_not_in_step",
+        "fsdp: a rank with fewer validation batches stops all-gathering before the others",
+        "train.py",
+        "        if self.strategy.sharded:\n",
+        "        if False:\n",
+        (f"{FSDP}::test_fsdp_trains_the_same_parameters_as_ddp",),
+    ),
+    Mutant(
+        "async_save_not_awaited_on_stop",
+        "fsdp: the process exits with its asynchronous checkpoint unfinished",
+        "train.py",
+        "        if stop or stopping:  # the process exits next: an asynchronous save must be complete\n",
+        "        if False:\n",
+        (f"{FSDP}::test_sigterm_under_fsdp_saves_shards_and_resume_is_exact",),
     ),
     Mutant(
         "batchnorm_not_synced",

@@ -147,10 +147,21 @@ TASK_TESTS = [
 ]
 
 
+# --strategy fsdp on the tabular MLP too (the default bake runs all of test_fsdp.py on the GPT).
+FSDP_TESTS = {
+    "tabular": [
+        "tests/test_fsdp.py::test_fsdp_trains_the_same_parameters_as_ddp",
+        "tests/test_fsdp.py::test_meta_device_start_gives_the_weights_of_an_ordinary_start",
+        "tests/test_fsdp.py::test_export_writes_one_weights_only_file_with_the_run_validation_loss",
+    ]
+}
+
+
 @pytest.mark.parametrize("task", TASKS[1:])
 def test_other_tasks_pass_their_tests(cookies, task):
     project = bake_ok(cookies, task=task)
-    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TASK_TESTS], cwd=project)
+    tests = [*TASK_TESTS, *FSDP_TESTS.get(task, [])]
+    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=project)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "failed" not in result.stdout and " passed" in result.stdout
 

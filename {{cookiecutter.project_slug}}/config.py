@@ -80,6 +80,17 @@ class Config(ModelConfig, DataConfig):
     peak_tflops: float = knob(0.0, "peak TFLOPS of one GPU for the MFU estimate, 0 = look up the GPU")
 
     # Distributed
+    strategy: str = knob(
+        "ddp",
+        "ddp: a whole copy of the model per process; fsdp: each process keeps 1/N of the parameters, "
+        "gradients and optimizer state (README: When the model no longer fits)",
+        ("ddp", "fsdp"),
+    )
+    reshard_after_forward: bool = knob(
+        True, "fsdp: free each block's gathered parameters after its forward (less memory, one more all-gather)"
+    )
+    init_on_meta: bool = knob(False, "ddp: build the model on the meta device, then initialise it (fsdp always does)")
+    async_checkpoint: bool = knob(False, "fsdp: write checkpoints in the background while training goes on")
     timeout_seconds: int = knob(600, "limit for process-group start-up and each collective")
     find_unused_parameters: bool = knob(
         False, "let DDP handle parameters that get no gradient in a step (slower; see README)"
@@ -115,6 +126,15 @@ class Config(ModelConfig, DataConfig):
             # One overflowing fp16 step puts inf into PowerSGD's error feedback for good: every
             # later step overflows and is skipped.
             raise ConfigError("comm_hook", "powersgd cannot run with --amp fp16: use --amp bf16, or --comm_hook fp16")
+        if self.strategy == "fsdp":
+            ddp_only = {"comm_hook": "none", "static_graph": "false", "find_unused_parameters": "false"}
+            for name, default in ddp_only.items():
+                if str(getattr(self, name)).lower() != default:
+                    raise ConfigError(name, f"is a DDP setting: with --strategy fsdp leave it at {default}")
+            if self.amp == "fp16":
+                raise ConfigError("amp", "fp16 cannot run with --strategy fsdp: use --amp bf16 (no loss scaling)")
+        elif self.async_checkpoint:
+            raise ConfigError("async_checkpoint", "needs --strategy fsdp (ddp writes one file from rank 0)")
         self.check_model()
         self.check_data()
 

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 log = logging.getLogger("train")
 
@@ -444,19 +446,28 @@ def _fsync_dir(path):
 
 
 def load_checkpoint(path, device):
-    """Load one checkpoint; a damaged or foreign file raises CheckpointError naming it."""
+    """Load one checkpoint; a damaged or foreign one raises CheckpointError naming it.
+
+    A file (--strategy ddp) is the whole state. A folder (--strategy fsdp) gives the trainer's
+    state only, after checking that every shard its metadata names is there in full; the
+    model and optimizer shards are read later, by every rank (load_sharded_checkpoint).
+    """
+    path = Path(path)
     try:
+        if path.is_dir():
+            check_sharded_checkpoint(path)
+            path = path / "trainer.pt"
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as error:  # truncated zip, unpickling error, wrong format, I/O error
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(error).__name__}: {error})") from None
 
 
 def checkpoint_candidates(checkpoint_dir):
-    """last.pt first, then the numbered checkpoints, newest first."""
+    """last.pt (or the folder `last` links to) first, then the numbered checkpoints, newest first."""
     checkpoint_dir = Path(checkpoint_dir)
-    numbered = sorted(checkpoint_dir.glob("step_*.pt"), reverse=True)
-    last = checkpoint_dir / "last.pt"
-    return ([last] if last.exists() else []) + numbered
+    numbered = sorted(checkpoint_dir.glob("step_*"), reverse=True)
+    last = [checkpoint_dir / name for name in ("last.pt", "last") if (checkpoint_dir / name).exists()]
+    return last + numbered
 
 
 def load_latest_checkpoint(checkpoint_dir, device):
@@ -481,3 +492,109 @@ def load_latest_checkpoint(checkpoint_dir, device):
 @rank_zero_only
 def warn_main(message):
     log.warning(message)
+
+
+# --- sharded checkpoints (--strategy fsdp) ------------------------------------------------
+#
+# checkpoints/step_000000040/ holds one .distcp file per rank (its shards of the model and
+# optimizer state), DCP's .metadata, and trainer.pt (epoch, step, random generators, config),
+# written into .step_000000040.tmp/ and renamed when complete. `last` is a symbolic link to
+# the newest one, replaced atomically.
+
+
+class PendingCheckpoint:
+    """A sharded checkpoint being written; `finish()` waits for it, then makes it the newest."""
+
+    def __init__(self, ctx, future, tmp, final, keep, timeout_seconds):
+        self.ctx, self.future, self.tmp, self.final = ctx, future, tmp, final
+        self.keep, self.timeout_seconds = keep, timeout_seconds
+
+    def finish(self):
+        error = None
+        try:
+            if self.future is not None:
+                self.future.result()
+        except Exception as failure:  # DCP's CheckpointException: every rank sees the same
+            error = f"could not write checkpoint {self.final}: {_first_line(failure)}"
+        error = store_barrier(self.ctx, f"sharded_written_{self.final.name}", error, self.timeout_seconds)
+        if not error:
+            error = _publish_sharded(self.tmp, self.final, self.keep)
+        error = store_barrier(self.ctx, f"sharded_published_{self.final.name}", error, self.timeout_seconds)
+        if error:
+            raise CheckpointError(error)
+
+
+def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, keep, timeout_seconds, group, wait):
+    """Start writing a sharded checkpoint on every rank; returns the PendingCheckpoint to finish.
+
+    With `wait` false, DCP copies the shards to memory and writes them in a thread (on
+    `group`, a process group of its own) while training goes on.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    final = checkpoint_dir / f"step_{step:09d}"
+    tmp = checkpoint_dir / f".{final.name}.tmp"
+    error = _prepare_sharded(tmp, trainer_state)
+    error = store_barrier(ctx, f"sharded_prepared_{final.name}", error, timeout_seconds)
+    if error:
+        raise CheckpointError(error)
+    future = None
+    try:
+        if wait:
+            dcp.save(sharded, checkpoint_id=str(tmp), process_group=group)
+        else:
+            future = dcp.async_save(sharded, checkpoint_id=str(tmp), process_group=group)
+    except Exception as failure:  # DCP's CheckpointException: every rank sees the same
+        raise CheckpointError(f"could not write checkpoint {final}: {_first_line(failure)}") from None
+    return PendingCheckpoint(ctx, future, tmp, final, keep, timeout_seconds)
+
+
+@rank_zero_only
+def _prepare_sharded(tmp, trainer_state):
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way
+        tmp.mkdir(parents=True)
+        _atomic_save(trainer_state, tmp / "trainer.pt")
+    except Exception as error:
+        log.error("could not write checkpoint to %s: %s", tmp.parent, error)
+        return f"could not write checkpoint to {tmp.parent}: {error}"
+    return None
+
+
+@rank_zero_only
+def _publish_sharded(tmp, final, keep):
+    try:
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run)
+        os.replace(tmp, final)
+        link = final.parent / ".last.link"
+        link.unlink(missing_ok=True)
+        link.symlink_to(final.name)
+        os.replace(link, final.parent / "last")
+        for old in sorted(p for p in final.parent.glob("step_*") if p.is_dir())[: -max(keep, 1)]:
+            shutil.rmtree(old)
+        _fsync_dir(final.parent)
+    except OSError as error:
+        log.error("could not write checkpoint to %s: %s", final.parent, error)
+        return f"could not write checkpoint to {final.parent}: {error}"
+    return None
+
+
+def check_sharded_checkpoint(path):
+    """Raise if a shard named in the checkpoint's metadata is missing or cut short."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    for info in metadata.storage_data.values():
+        shard = Path(path) / info.relative_path
+        if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
+            raise ValueError(f"shard {shard.name} is missing or cut short")
+
+
+def load_sharded_checkpoint(path, sharded, group):
+    """Read this rank's shards of `sharded` from the checkpoint folder `path`, in place; every
+    rank calls it (DCP reshards to this world size)."""
+    try:
+        dcp.load(sharded, checkpoint_id=str(path), process_group=group)
+    except Exception as failure:  # DCP's CheckpointException: every rank sees the same
+        raise CheckpointError(f"checkpoint {path} is unreadable: {_first_line(failure)}") from None
+
+
+def _first_line(error):
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

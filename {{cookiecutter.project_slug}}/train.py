@@ -9,7 +9,6 @@ Read top to bottom: learning-rate schedule, the Trainer (setup, resume, loop, ev
 checkpoints), then `main`, which owns the process group's lifetime.
 """
 
-import contextlib
 import logging
 import math
 import os
@@ -24,8 +23,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import parse_config
 from dataset import build_datasets
@@ -41,7 +38,6 @@ from ddp_utils import (
     load_checkpoint,
     load_latest_checkpoint,
     rank_zero_only,
-    save_checkpoint,
     setup_distributed,
     setup_logging,
     share_from_main,
@@ -59,11 +55,10 @@ from metrics import (
     peak_tflops,
     reset_peak_memory,
 )
-from model import SHAPE_FIELDS, build_model
+from model import SHAPE_FIELDS
+from strategy import AMP_DTYPES, build_strategy, model_state_bytes
 
 log = logging.getLogger("train")
-
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 
 def loss_fn(logits, targets):
@@ -135,34 +130,6 @@ def lr_at(samples, cfg, plan):
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-def register_comm_hook(model, name):
-    """Compress gradients before DDP's all-reduce: fewer bytes over slow inter-node links."""
-    if name in ("bf16", "fp16"):
-        model.register_comm_hook(None, compressed_allreduce_hook(AMP_DTYPES[name]))
-    elif name == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-
-
-def compressed_allreduce_hook(dtype):
-    """Average each gradient bucket in `dtype` (half the bytes of fp32), then copy it back.
-
-    The same arithmetic as PyTorch's fp16/bf16_compress_hook, which refuses to run on gloo.
-    """
-
-    def hook(process_group, bucket):
-        group = process_group or dist.group.WORLD
-        compressed = bucket.buffer().to(dtype).div_(dist.get_world_size(group))
-        reduced = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-        def decompress(future):
-            return bucket.buffer().copy_(future.value()[0])
-
-        return reduced.then(decompress)
-
-    return hook
-
-
 def rng_state():
     """This process's random generators, as checkpoint-safe data (tensors, numbers, lists)."""
     state = {
@@ -213,31 +180,23 @@ class Trainer:
             warmup_samples=cfg.warmup_steps * self.global_batch,  # kept from the first start on resume
         )
 
-        # Same initial weights on every rank (DDP also broadcasts rank 0's at wrap time);
-        # afterwards each rank gets its own stream for anything random it does.
-        seed_everything(cfg.seed)
-        model = build_model(cfg).to(ctx.device)
-        seed_everything(mix_seed(cfg.seed, ctx.rank))
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.amp_dtype = AMP_DTYPES[cfg.amp]
-        # fp16 needs loss scaling; for bf16 and none the scaler is a no-op pass-through.
-        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.amp == "fp16")
+        # Same initial weights on every rank, however the model is spread (strategy.py: DDP
+        # or FSDP, chosen by --strategy); afterwards each rank gets its own stream for anything
+        # random it does.
         if ctx.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels once
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
-        self.model = DDP(
-            model,
-            # The device setup_distributed picked: with one visible GPU per process it is
-            # cuda:0 whatever LOCAL_RANK is.
-            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            find_unused_parameters=cfg.find_unused_parameters,
-            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-            static_graph=cfg.static_graph,
-            bucket_cap_mb=cfg.bucket_cap_mb,
-        )
-        register_comm_hook(self.model, cfg.comm_hook)
-        # torch.compile goes around the DDP wrapper, so DDP's bucketing is compiled in step with
-        # the graph (PyTorch's documented order); no_sync() still acts on the wrapper.
+        seed_everything(cfg.seed)
+        self.strategy = build_strategy(cfg, ctx)
+        self.model = self.strategy.model
+        seed_everything(mix_seed(cfg.seed, ctx.rank))
+        # Built on the model's parameters as the strategy left them: FSDP's are the local shards.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.amp_dtype = AMP_DTYPES[cfg.amp]
+        # fp16 needs loss scaling; for bf16 and none the scaler is a no-op pass-through.
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.amp == "fp16")
+        # torch.compile goes around the DDP or FSDP wrapper, so their communication is compiled in
+        # step with the graph (PyTorch's documented order); no_sync() still acts on the wrapper.
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         sample = self.train_loader.dataset[0]
         self.flops_per_sample = flops_per_sample(cfg, sample, loss_fn)
@@ -327,8 +286,7 @@ class Trainer:
         ]
         if mismatched:
             raise TrainingError(f"checkpoint {path} has another model shape: {', '.join(mismatched)}")
-        self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load(state, path, self.optimizer)  # the model and optimizer state
         if self.scaler.is_enabled() and not state["scaler"]:
             report("checkpoint %s was trained without loss scaling (--amp %s): the fp16 loss scale starts afresh",
                    path, saved["amp"])  # fmt: skip
@@ -365,20 +323,19 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------
 
-    def _save_checkpoint(self):
+    def _save_checkpoint(self, stopping=False):
         """Save where training is; returns whether all ranks agreed to stop (see _settle).
 
         Per-rank state (random generators, partial loss sums) is gathered to rank 0, which
-        writes one file; every rank calls this.
+        writes it with the model and optimizer state (ddp) or beside their shards (fsdp); every
+        rank calls this.
         """
         started = time.perf_counter()
         stop = self._settle()  # every step in this checkpoint was finite
         self.watchdog.beat(f"checkpoint at step {self.step}", seconds=self.cfg.checkpoint_timeout_seconds)
         ranks = [None] * self.ctx.world_size
         dist.all_gather_object(ranks, {"rng": rng_state(), "loss_totals": self.loss_totals.cpu()})
-        state = {
-            "model": self.model.module.state_dict(),  # unwrapped: no "module." prefix
-            "optimizer": self.optimizer.state_dict(),
+        state = {  # with the model and optimizer state the strategy adds (one file, or shards)
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
             "step": self.step,
@@ -390,10 +347,9 @@ class Trainer:
             "ranks": ranks,
             "config": self.cfg.to_dict(),
         }
-        save_checkpoint(
-            self.ctx, state, self.checkpoint_dir, self.step, self.cfg.keep_checkpoints,
-            self.cfg.checkpoint_timeout_seconds,
-        )  # fmt: skip
+        self.strategy.save(state, self.optimizer, self.checkpoint_dir, self.cfg)
+        if stop or stopping:  # the process exits next: an asynchronous save must be complete
+            self.strategy.wait_for_checkpoint()
         self.period.checkpoint_s += time.perf_counter() - started
         return stop
 
@@ -412,7 +368,7 @@ class Trainer:
         while not self._finished():
             self._run_epoch()  # to the epoch's end, or to max_steps
             if self._settle():  # a stop agreed in the last step
-                self._save_checkpoint()
+                self._save_checkpoint(stopping=True)
                 raise Preempted(self.stop.signum or signal.SIGTERM)
             if self.batches_done == self.steps_per_epoch * cfg.grad_accum_steps:  # the epoch is complete
                 if not cfg.eval_every_steps:
@@ -447,7 +403,7 @@ class Trainer:
             stop = self._optimizer_step()
             self.batches_done = micro_step + 1
             if stop:  # agreed by all ranks: save where we are and exit
-                self._save_checkpoint()
+                self._save_checkpoint(stopping=True)
                 raise Preempted(self.stop.signum or signal.SIGTERM)
             self.period.open_window(self.samples_seen)
             self._log_step(loss)
@@ -488,6 +444,7 @@ class Trainer:
             "compute_s": train_seconds - period.data_wait_s,  # the rest of the training time
             "cpu_s": cpu_seconds,  # rank 0's CPU time while training: host overhead shows here
             "peak_memory_mb": peak_memory_mb(self.ctx.device),  # rank 0's, since the last line
+            "model_state_mb": model_state_bytes(self.model, self.optimizer) / 2**20,  # rank 0's share
             "lr": self.optimizer.param_groups[0]["lr"],
         }
         if self.tokens_per_sample > 1:  # sequences: each sample holds many predictions
@@ -520,8 +477,8 @@ class Trainer:
     def _run_batch(self, inputs, targets, sync):
         inputs = inputs.to(self.ctx.device, non_blocking=True)
         targets = targets.to(self.ctx.device, non_blocking=True)
-        # Gradients are all-reduced only on the last micro-step of an optimizer step.
-        with contextlib.nullcontext() if sync else self.model.no_sync():
+        # Gradients are synchronised only on the last micro-step of an optimizer step.
+        with self.strategy.sync_gradients(sync):
             with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 loss = loss_fn(self._forward(inputs), targets)
             self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
@@ -560,7 +517,7 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)  # the true gradients: to clip, and to see fp16 overflow
             parameters = [p for p in self.model.parameters() if p.grad is not None]
             if cfg.max_grad_norm > 0:
-                norm = torch.nn.utils.clip_grad_norm_(parameters, cfg.max_grad_norm)
+                norm = self.strategy.clip_gradients(parameters, cfg.max_grad_norm)
             else:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
         self.samples_seen += self.global_batch
@@ -618,16 +575,18 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self):
         """Loss and accuracy over exactly the whole validation set, on every rank."""
-        model = self.model.module  # no DDP forward: nothing to synchronise in evaluation
+        model = self.strategy.module  # not DDP's forward: nothing to synchronise in evaluation
         model.eval()
         # loss sum and correct predictions over every target, targets, samples
         totals = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
-        for inputs, targets in self.val_loader:
+        for inputs, targets in self._val_batches():
             self.watchdog.beat("evaluation")
             inputs = inputs.to(self.ctx.device, non_blocking=True)
-            targets = targets.to(self.ctx.device, non_blocking=True)
             with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 logits = model(inputs)
+            if targets is None:  # a batch run only to keep the ranks' all-gathers in step
+                continue
+            targets = targets.to(self.ctx.device, non_blocking=True)
             totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
             totals[1] += (logits.argmax(dim=-1) == targets).sum()
             totals[2] += targets.numel()
@@ -636,6 +595,23 @@ class Trainer:
         model.train()
         loss_sum, correct, count, samples = totals.tolist()
         return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(samples)}
+
+    def _val_batches(self):
+        """This rank's validation batches. Under FSDP every forward all-gathers parameters,
+        so every rank must run as many as the rank with the most (ranks may hold one sample
+        more than others): the ones short of it repeat their last inputs, counted nowhere."""
+        batches = torch.tensor([len(self.val_loader)], device=self.ctx.device)
+        if self.strategy.sharded:
+            dist.all_reduce(batches, op=dist.ReduceOp.MAX)
+        inputs = None
+        for inputs, targets in self.val_loader:
+            yield inputs, targets
+        for _ in range(batches.item() - len(self.val_loader)):
+            yield inputs, None
+
+    def wait_for_checkpoint(self):
+        """An asynchronous checkpoint complete, and `last`: before the process exits."""
+        self.strategy.wait_for_checkpoint()
 
     def close(self):
         self.watchdog.close()
@@ -651,6 +627,7 @@ def run(cfg, ctx):
         trainer = Trainer(cfg, ctx)
         trainer.resume()
         trainer.train()
+        trainer.wait_for_checkpoint()
     except (TrainingError, CheckpointError) as error:
         report("%s", error, level=logging.ERROR)
         return 1

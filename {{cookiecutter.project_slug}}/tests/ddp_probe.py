@@ -18,9 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import strategy  # noqa: E402
 import train  # noqa: E402
 from model import build_model  # noqa: E402
 
@@ -58,12 +60,12 @@ def count_allreduce():
         calls.append(1)
         return default_hooks.allreduce_hook(None, bucket)
 
-    class CountingDDP(train.DDP):
+    class CountingDDP(strategy.DDP):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.register_comm_hook(None, counting_hook)
 
-    train.DDP = CountingDDP
+    strategy.DDP = CountingDDP
     return lambda: probe_print(allreduce_calls=len(calls))
 
 
@@ -179,7 +181,7 @@ def unused_param():
         def forward(self, inputs):
             return self.used(inputs)
 
-    train.build_model = WithUnusedLayer
+    strategy.build_model = WithUnusedLayer
 
 
 def eval_only():
@@ -220,7 +222,11 @@ def record_clip():
 def record_grad_norms():
     """Print the total gradient norm of every optimizer step (clipping computes it)."""
     norms = []
-    on_clip(lambda parameters, norm: norms.append(norm.item()))
+    on_clip(
+        lambda parameters, norm: norms.append(
+            norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item()
+        )
+    )
     return lambda: probe_print(grad_norms=norms)
 
 
@@ -259,12 +265,12 @@ def crash_in_checkpoint_write():
 
 def with_dropout():
     """The model draws from the global random generator every step: dropout on its outputs."""
-    original = train.build_model
+    original = strategy.build_model
 
     def build_model(cfg):
         return nn.Sequential(original(cfg), nn.Dropout(0.2))
 
-    train.build_model = build_model
+    strategy.build_model = build_model
 
 
 def stall_rank1():
@@ -295,11 +301,25 @@ def count_compressed_bytes():
     return lambda: probe_print(compressed_bytes=sum(sent))
 
 
+def record_initial_weights():
+    """Rank 0 saves the whole model as training starts (gathered from the shards under fsdp)
+    to <output_dir>/initial_weights.pt."""
+    original = train.Trainer.resume
+
+    def resume(self):
+        weights = get_model_state_dict(self.strategy.module, options=StateDictOptions(full_state_dict=True))
+        if RANK == 0:
+            torch.save(weights, Path(self.cfg.output_dir) / "initial_weights.pt")
+        return original(self)
+
+    train.Trainer.resume = resume
+
+
 PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
-    + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write)
+    + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write, record_initial_weights)
 }
 
 if __name__ == "__main__":

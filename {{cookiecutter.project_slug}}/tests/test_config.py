@@ -53,6 +53,11 @@ def test_config_is_frozen():
         (["--find_unused_parameters", "maybe"], "find_unused_parameters", "invalid bool value"),
         (["--static_graph", "true", "--grad_accum_steps", "2"], "static_graph", "--grad_accum_steps > 1"),
         (["--comm_hook", "powersgd", "--amp", "fp16"], "comm_hook", "cannot run with --amp fp16"),
+        (["--strategy", "zero3"], "strategy", "invalid choice"),
+        (["--strategy", "fsdp", "--amp", "fp16"], "amp", "use --amp bf16"),
+        (["--strategy", "fsdp", "--comm_hook", "bf16"], "comm_hook", "is a DDP setting"),
+        (["--strategy", "fsdp", "--find_unused_parameters", "true"], "find_unused_parameters", "is a DDP setting"),
+        (["--async_checkpoint", "true"], "async_checkpoint", "needs --strategy fsdp"),
         (["--no_such_field", "1"], "no_such_field", "unrecognized arguments"),
     ],
 )
@@ -74,6 +79,7 @@ def test_bad_values_exit_with_one_line_naming_the_field(args, field, problem, ca
         ({"min_loss_scale": -1.0}, "min_loss_scale"),
         ({"static_graph": True, "grad_accum_steps": 2}, "static_graph"),
         ({"comm_hook": "powersgd", "amp": "fp16"}, "comm_hook"),
+        ({"strategy": "fsdp", "static_graph": True}, "static_graph"),
     ],
 )
 def test_bad_values_are_refused_by_config_itself(values, field):

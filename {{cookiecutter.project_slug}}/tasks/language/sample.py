@@ -7,6 +7,7 @@ valid UTF-8 are printed as the replacement character.
 """
 
 import argparse
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -60,6 +61,11 @@ def main():
         exit_with_error("--device cuda, but PyTorch sees no CUDA GPU: use --device cpu")
     device = torch.device(args.device)
 
+    if Path(args.checkpoint).is_dir():
+        exit_with_error(
+            f"--checkpoint {args.checkpoint} is a sharded checkpoint (--strategy fsdp): "
+            f"python export.py {args.checkpoint} model.pt, then pass --checkpoint model.pt"
+        )
     try:
         # weights_only: tensors and plain values only, so a checkpoint cannot run code on load.
         state = torch.load(args.checkpoint, map_location=device, weights_only=True)

@@ -42,6 +42,10 @@ class MLP(nn.Module):
     def forward(self, inputs):
         return self.layers(inputs)
 
+    def shard_units(self):
+        """What --strategy fsdp shards one by one: each linear layer."""
+        return [layer for layer in self.layers if isinstance(layer, nn.Linear)]
+
 
 def build_model(cfg):
     return MLP(cfg.input_dim, cfg.hidden_dim, cfg.num_classes)

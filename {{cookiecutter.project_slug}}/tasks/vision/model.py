@@ -76,7 +76,7 @@ class ResNet(nn.Module):
         super().__init__()
         self.channels_last = channels_last
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
-        self.stages = nn.ModuleList()  # one unit each: a later FSDP change shards stage by stage
+        self.stages = nn.ModuleList()  # --strategy fsdp shards stage by stage (shard_units)
         channels = width
         for stage in range(3):
             out_channels = width * 2**stage
@@ -93,6 +93,10 @@ class ResNet(nn.Module):
         for stage in self.stages:
             x = stage(x)
         return self.head(x.mean(dim=(2, 3)))
+
+    def shard_units(self):
+        """What --strategy fsdp shards one by one: each stage (the stem and head go with the model)."""
+        return self.stages
 
 
 # --- synchronized batch norm ---------------------------------------------------------------

@@ -42,6 +42,11 @@ def main(argv=None):
         parser.error("--device cuda: no GPU available")
     device = torch.device(args.device)
 
+    if Path(args.checkpoint).is_dir():
+        sys.exit(
+            f"error: checkpoint {args.checkpoint} is sharded (--strategy fsdp): "
+            f"python export.py {args.checkpoint} model.pt, then pass model.pt"
+        )
     if not Path(args.checkpoint).is_file():
         sys.exit(f"error: checkpoint {args.checkpoint} not found")
     try:

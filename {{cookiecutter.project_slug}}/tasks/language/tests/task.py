@@ -22,6 +22,9 @@ SHAPE_CHANGE = (["--n_embd", "48"], "--n_embd is 48, the checkpoint's is 32")
 CONTRACT_FIELDS = ("data_dir", "train_samples", "val_samples", "vocab_size", "block_size", "n_layer", "n_head")
 CONTRACT_FIELDS += ("n_embd", "dropout", "activation_checkpointing")
 
+# --strategy fsdp runs with activation checkpointing too: it must combine with sharding.
+FSDP_ARGS = ["--activation_checkpointing", "true"]
+
 
 def prepare_data(folder):
     """A few modules of the Python standard library, as prepare_data.py writes them."""

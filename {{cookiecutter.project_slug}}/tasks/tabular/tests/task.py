@@ -15,6 +15,9 @@ SHAPE_CHANGE = (["--hidden_dim", "48"], "--hidden_dim is 48, the checkpoint's is
 # Fields that scripts and sweeps of this task rely on (besides the shared ones).
 CONTRACT_FIELDS = ("train_samples", "val_samples", "input_dim", "hidden_dim", "num_classes", "dataset")
 
+# Options every --strategy fsdp run of the shared tests adds: none for this model.
+FSDP_ARGS = []
+
 
 def prepare_data(folder):
     """The data is made in memory from the seed: nothing to prepare, no arguments to add."""

@@ -19,6 +19,9 @@ SHAPE_CHANGE = (["--width", "12"], "--width is 12, the checkpoint's is 8")
 CONTRACT_FIELDS = ("data_dir", "train_samples", "val_samples", "image_size", "num_classes", "width", "depth")
 CONTRACT_FIELDS += ("sync_batchnorm", "channels_last")
 
+# Options every --strategy fsdp run of the shared tests adds: none for this model.
+FSDP_ARGS = []
+
 
 def prepare_data(folder):
     """scikit-learn's handwritten digits as PNG files, as prepare_data.py writes them."""

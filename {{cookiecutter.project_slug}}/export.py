@@ -1,0 +1,76 @@
+"""Write a checkpoint's model as one file: the whole state dict and the config, for inference
+and sharing.
+
+    python export.py runs/default/checkpoints/last model.pt
+
+CHECKPOINT is what train.py wrote: a sharded folder (--strategy fsdp, e.g. checkpoints/last
+or checkpoints/step_000000400) or a file (--strategy ddp, last.pt). OUT loads with
+`torch.load(OUT, weights_only=True)`: {"model": state dict, "config": the run's Config fields}.
+Under torchrun every process may run it; rank 0 alone writes OUT.
+"""
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from config import Config
+from ddp_utils import CheckpointError, load_checkpoint, rank_zero_only
+from knobs import ConfigError, exit_with_error
+from model import build_model
+
+
+def consolidated(path):
+    """{"model": the whole state dict, "config": the run's Config fields} of a checkpoint."""
+    state = load_checkpoint(path, "cpu")  # a folder gives the trainer's state: config, steps
+    if "model" in state:
+        return {"model": state["model"], "config": state["config"]}
+    try:
+        cfg = Config(**state["config"])
+    except (TypeError, ConfigError) as error:
+        raise CheckpointError(f"checkpoint {path} holds a config this project does not accept: {error}") from None
+    with torch.device("meta"):
+        model = build_model(cfg)  # only for the names and shapes: no memory, no initialisation
+    model.to_empty(device="cpu")
+    weights = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            # Read on this process alone: every shard, whatever world size wrote them.
+            dcp.load(weights, checkpoint_id=str(path), no_dist=True)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {str(error).strip().splitlines()[0]}") from None
+    return {"model": weights["model"], "config": state["config"]}
+
+
+@rank_zero_only
+def export(checkpoint, out):
+    try:
+        state = consolidated(Path(checkpoint))
+    except CheckpointError as error:
+        exit_with_error(str(error))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save(state, tmp)
+    tmp.replace(out)  # OUT is complete or absent, never half-written
+    parameters = sum(t.numel() for t in state["model"].values())
+    print(f"wrote {out}: {parameters:,} values from {checkpoint}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint folder (fsdp) or file (ddp) that train.py wrote")
+    parser.add_argument("out", help="the single file to write, e.g. model.pt")
+    args = parser.parse_args(argv)
+    if not Path(args.checkpoint).exists():
+        exit_with_error(f"checkpoint {args.checkpoint} does not exist")
+    export(args.checkpoint, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""How the model is spread over the processes: --strategy ddp or fsdp, chosen in `build_strategy`.
+
+- ddp: every process holds the whole model, its gradients and the optimizer state (about 16
+  bytes per parameter with AdamW under mixed precision); backward all-reduces the gradients.
+- fsdp: FSDP2 (`fully_shard`) keeps 1/N of each on every process. A block's parameters are
+  all-gathered just before it runs and freed after; backward reduce-scatters the gradients.
+
+train.py uses only what both offer (`model`, `module`, `sync_gradients`, `clip_gradients`,
+`save` and `load`), so the training loop is one loop. The weights start the same under both,
+with or without a meta-device start (`build_module`).
+"""
+
+import contextlib
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_utils import CheckpointError, load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint
+from loaders import mix_seed
+from model import build_model
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+
+
+def build_strategy(cfg, ctx):
+    """The model, wrapped for --strategy: the one place the choice is made."""
+    if cfg.strategy == "fsdp":
+        return FSDPStrategy(cfg, ctx)
+    return DDPStrategy(cfg, ctx)
+
+
+# --- initial weights --------------------------------------------------------------------
+
+
+def build_module(cfg, device, on_meta=False, shard=None):
+    """`build_model(cfg)` on `device` with its initial weights, the same with or without a
+    meta-device start, on one process or sharded over many.
+
+    Each module's own parameters are drawn from a generator seeded by (seed, its name), on
+    the CPU, after construction: so the weights do not depend on the order modules are
+    built or initialised, nor on the device. On meta, nothing is allocated at construction;
+    each unit (`shard_units`) is then materialised, initialised and handed to `shard` (FSDP
+    keeps 1/N of it) before the next: a model too big for one process never exists whole.
+    """
+    shard = shard or (lambda module: None)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = build_model(cfg)
+    done, made = set(), {}
+    for unit in [*shard_units(model), model]:  # the model last: what no unit holds
+        for name, module in model.named_modules():
+            if module in done or not any(module is m for m in unit.modules()):
+                continue
+            done.add(module)
+            # Its own tensors only: materialised on the CPU, initialised there (the CPU
+            # generator, whatever the device), then moved.
+            materialize(module, made)
+            init_module(model, name, module, cfg.seed)
+            module._apply(lambda t: t.to(device), recurse=False)  # in place: tied weights stay tied
+        shard(unit)
+    return model
+
+
+def materialize(module, made):
+    """Give `module`'s own meta tensors real (uninitialised) CPU memory. A parameter two modules
+    share (tied embeddings) becomes one tensor for both: `made` maps each meta tensor's id to
+    (it, its copy) (Module.to_empty would give each holder its own, silently untying them)."""
+    for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        if tensor.is_meta:
+            if id(tensor) not in made:
+                copy = torch.empty_like(tensor, device="cpu")
+                copy = nn.Parameter(copy, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else copy
+                made[id(tensor)] = (tensor, copy)  # the meta tensor kept alive: its id stays unique
+            setattr(module, name, made[id(tensor)][1])
+
+
+def shard_units(model):
+    """The blocks FSDP shards one by one (a transformer layer, a ResNet stage): the model's
+    `shard_units()` if it says, else none (the whole model is one unit)."""
+    return list(model.shard_units()) if hasattr(model, "shard_units") else []
+
+
+def init_module(model, name, module, seed):
+    """Initialise `module`'s own parameters and buffers, from a generator seeded by its name.
+
+    The model's own scheme (`model.init_weights(name, module)`) where it has one, else the
+    module's `reset_parameters()` (PyTorch's defaults)."""
+    own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    if not own:
+        return
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(mix_seed(seed, zlib.crc32(name.encode())))
+        if hasattr(model, "init_weights"):
+            model.init_weights(name, module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+# --- the strategies -----------------------------------------------------------------------
+
+
+class DDPStrategy:
+    """A whole copy of the model per process; gradients all-reduced in backward."""
+
+    sharded = False  # evaluation needs no collectives: each rank runs its own batches
+
+    def __init__(self, cfg, ctx):
+        self.ctx = ctx
+        self.module = build_module(cfg, ctx.device, on_meta=cfg.init_on_meta)
+        self.model = DDP(
+            self.module,
+            # The device setup_distributed picked: with one visible GPU per process it is
+            # cuda:0 whatever LOCAL_RANK is.
+            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            find_unused_parameters=cfg.find_unused_parameters,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            static_graph=cfg.static_graph,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+        )
+        register_comm_hook(self.model, cfg.comm_hook)
+
+    def sync_gradients(self, sync):
+        """Gradients are all-reduced only on the last micro-step of an optimizer step."""
+        return contextlib.nullcontext() if sync else self.model.no_sync()
+
+    def clip_gradients(self, parameters, max_norm):
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+    def save(self, state, optimizer, checkpoint_dir, cfg):
+        """One file, written by rank 0 (ddp_utils.save_checkpoint)."""
+        state = {**state, "model": self.module.state_dict(), "optimizer": optimizer.state_dict()}
+        save_checkpoint(
+            self.ctx, state, checkpoint_dir, state["step"], cfg.keep_checkpoints, cfg.checkpoint_timeout_seconds
+        )
+
+    def load(self, state, path, optimizer):
+        if "model" not in state:
+            raise CheckpointError(f"checkpoint {path} is sharded (--strategy fsdp): resume it with --strategy fsdp")
+        self.module.load_state_dict(state["model"])  # unwrapped: no "module." prefix
+        optimizer.load_state_dict(state["optimizer"])
+
+    def wait_for_checkpoint(self):
+        pass  # saves are synchronous
+
+
+class FSDPStrategy:
+    """FSDP2: each shard unit, then the root, keeps 1/N of its parameters, gradients and
+    optimizer state per process; checkpoints are sharded too (DCP, one file per rank)."""
+
+    sharded = True  # every forward all-gathers: ranks must run the same number of batches
+
+    def __init__(self, cfg, ctx):
+        self.ctx, self.cfg = ctx, cfg
+        amp = AMP_DTYPES[cfg.amp]
+        # bf16 parameters for compute; gradients reduced (and kept) in fp32.
+        policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32 if amp else None)
+
+        def shard(unit):
+            fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+
+        # Always a meta-device start: the model never exists whole in one process.
+        self.module = self.model = build_module(cfg, ctx.device, on_meta=True, shard=shard)
+        # Checkpoint collectives run on a group of their own: an asynchronous save overlaps
+        # the next steps, whose collectives use the default group.
+        self.checkpoint_group = dist.new_group(backend="gloo")
+        self.pending = None
+
+    def sync_gradients(self, sync):
+        """Reduce-scatter only on the last micro-step; until then each rank sums locally."""
+        self.model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, parameters, max_norm):
+        # The gradients are shards (DTensors): the norm is reduced over all of them, and
+        # full_tensor() makes it a plain tensor, the same on every rank.
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm).full_tensor()
+
+    def save(self, state, optimizer, checkpoint_dir, cfg):
+        """Every rank writes its shards of the model and optimizer state in parallel (DCP);
+        with --async_checkpoint the writing overlaps the next steps."""
+        self.wait_for_checkpoint()
+        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        self.pending = save_sharded_checkpoint(
+            self.ctx, {"model": model_state, "optimizer": optimizer_state}, state, checkpoint_dir,
+            state["step"], cfg.keep_checkpoints, cfg.checkpoint_timeout_seconds, self.checkpoint_group,
+            wait=not cfg.async_checkpoint,
+        )  # fmt: skip
+        if not cfg.async_checkpoint:
+            self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self):
+        """Finish the save in flight, if any: then it is complete and `last` points to it."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.finish()
+
+    def load(self, state, path, optimizer):
+        if "model" in state:
+            raise CheckpointError(f"checkpoint {path} is one file (--strategy ddp): resume it with --strategy ddp")
+        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        sharded = {"model": model_state, "optimizer": optimizer_state}
+        # DCP reads what this rank's shards need, whatever world size wrote them.
+        load_sharded_checkpoint(path, sharded, self.checkpoint_group)
+        set_state_dict(self.model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
+
+
+def register_comm_hook(model, name):
+    """Compress gradients before DDP's all-reduce: fewer bytes over slow inter-node links."""
+    if name in ("bf16", "fp16"):
+        model.register_comm_hook(None, compressed_allreduce_hook(AMP_DTYPES[name]))
+    elif name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def compressed_allreduce_hook(dtype):
+    """Average each gradient bucket in `dtype` (half the bytes of fp32), then copy it back.
+
+    The same arithmetic as PyTorch's fp16/bf16_compress_hook, which refuses to run on gloo.
+    """
+
+    def hook(process_group, bucket):
+        group = process_group or dist.group.WORLD
+        compressed = bucket.buffer().to(dtype).div_(dist.get_world_size(group))
+        reduced = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(future):
+            return bucket.buffer().copy_(future.value()[0])
+
+        return reduced.then(decompress)
+
+    return hook
+
+
+def model_state_bytes(model, optimizer):
+    """Bytes this process holds for the parameters, their gradients (as large as the
+    parameters, during a step) and the optimizer state: its shards under fsdp."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    tensors = [*parameters, *parameters]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return sum(_local(t).numel() * t.element_size() for t in tensors)
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

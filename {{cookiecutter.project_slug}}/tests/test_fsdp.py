@@ -1,0 +1,194 @@
+"""--strategy fsdp: the same training as DDP from the same initial weights, sharded checkpoints
+that resume exactly after SIGTERM and on another world size, past a damaged shard, and a
+one-file export for sample.py, predict.py and sharing."""
+
+import functools
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import task
+import torch
+import torch.nn.functional as F
+from conftest import (
+    PROJECT,
+    TINY,
+    assert_same_metrics,
+    kill_tree,
+    probe_output,
+    read_metrics,
+    relative_difference,
+    run_training,
+    training_command,
+    training_env,
+    wait_for,
+)
+
+import export
+from config import Config, parse_config
+from dataset import build_datasets
+from loaders import seed_everything
+from model import build_model
+from strategy import build_module
+
+pytestmark = pytest.mark.fixed_amp  # comparisons need --amp none
+
+# 12 optimizer steps of 2 micro-steps, clipped hard enough to bite every step; a sharded
+# checkpoint every 2 steps, all kept, so tests can resume from any of them.
+MAX_GRAD_NORM = 0.05
+ARGS = ["--amp", "none", "--max_steps", "12", "--grad_accum_steps", "2", "--max_grad_norm", str(MAX_GRAD_NORM)]
+ARGS += ["--checkpoint_every_steps", "2", "--keep_checkpoints", "100"]
+# 33 validation samples: 17 on rank 0, 16 on rank 1, so one rank has a batch more (of 16).
+ARGS += ["--val_samples", "33"]
+TWO = ["--batch_size", "16"]  # x 2 processes x 2 micro-steps: a global batch of 64
+ONE = ["--batch_size", "32"]  # x 1 process x 2 micro-steps: the same global batch
+FSDP = ["--strategy", "fsdp", *task.FSDP_ARGS]
+
+
+class Runs:
+    """Uninterrupted 2-process runs, each made the first time a test asks for it."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+
+    @functools.cached_property
+    def ddp(self):
+        output_dir = self.tmp_path_factory.mktemp("ddp")
+        return output_dir, run_training(output_dir, *ARGS, *TWO, nproc=2, probe="record_grad_norms")
+
+    @functools.cached_property
+    def fsdp(self):
+        output_dir = self.tmp_path_factory.mktemp("fsdp")
+        probes = "record_initial_weights,record_grad_norms"
+        return output_dir, run_training(output_dir, *ARGS, *TWO, *FSDP, nproc=2, probe=probes)
+
+    @functools.cached_property
+    def one_from_two(self):
+        """fsdp on 1 process from the 2-process run's checkpoints of steps 4 and 6, the newest
+        of them damaged: a shard file cut short."""
+        source = self.fsdp[0] / "checkpoints"
+        output_dir = self.tmp_path_factory.mktemp("one_from_two")
+        for step in (4, 6):
+            shutil.copytree(source / f"step_{step:09d}", output_dir / "checkpoints" / f"step_{step:09d}")
+        damaged = output_dir / "checkpoints" / "step_000000006" / "__1_0.distcp"
+        damaged.write_bytes(damaged.read_bytes()[:1000])
+        return output_dir, run_training(output_dir, *ARGS, *ONE, *FSDP)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory)
+
+
+def final_weights(output_dir):
+    """The whole model of a run's newest checkpoint (one file, or gathered from its shards)."""
+    checkpoints = output_dir / "checkpoints"
+    return export.consolidated(checkpoints / "last.pt" if (checkpoints / "last.pt").exists() else checkpoints / "last")[
+        "model"
+    ]
+
+
+def assert_close_weights(ours, theirs, tolerance=1e-4):
+    assert ours.keys() == theirs.keys()
+    worst = max(relative_difference(ours[key], theirs[key]) for key in theirs)
+    assert worst < tolerance, f"parameters differ by {worst:.2e} (relative)"
+
+
+def test_fsdp_trains_the_same_parameters_as_ddp(runs):
+    """Accumulation without a sync per micro-step, clipping on sharded gradients, and the
+    meta-device start give what DDP gives (float rounding aside)."""
+    (ddp_dir, ddp), (fsdp_dir, fsdp) = runs.ddp, runs.fsdp
+    assert_close_weights(final_weights(fsdp_dir), final_weights(ddp_dir))
+    (ddp_norms,) = probe_output(ddp)
+    (fsdp_norms,) = [line for line in probe_output(fsdp) if "grad_norms" in line]
+    assert len(fsdp_norms["grad_norms"]) == 12
+    assert min(fsdp_norms["grad_norms"]) > MAX_GRAD_NORM  # clipping acted on every step
+    for a, b in zip(fsdp_norms["grad_norms"], ddp_norms["grad_norms"]):
+        assert abs(a - b) <= 1e-4 * b
+    assert read_metrics(fsdp_dir)[-1]["val_loss"] == pytest.approx(read_metrics(ddp_dir)[-1]["val_loss"], rel=1e-4)
+
+
+def test_fsdp_holds_half_the_model_state_per_process(runs):
+    """Parameters, gradients and AdamW state: each of the 2 processes keeps about half."""
+    ddp_mb = read_metrics(runs.ddp[0])[-1]["model_state_mb"]
+    fsdp_mb = read_metrics(runs.fsdp[0])[-1]["model_state_mb"]
+    assert fsdp_mb <= 0.55 * ddp_mb, (fsdp_mb, ddp_mb)
+
+
+def test_meta_device_start_gives_the_weights_of_an_ordinary_start(runs):
+    """The sharded run starts from the weights that building the model on the CPU gives."""
+    sharded_start = torch.load(runs.fsdp[0] / "initial_weights.pt", weights_only=True)
+    cfg = parse_config([*TINY, *ARGS, *TWO, *FSDP])
+    seed_everything(cfg.seed)
+    ordinary = build_module(cfg, torch.device("cpu")).state_dict()
+    assert sharded_start.keys() == ordinary.keys()
+    assert all(torch.equal(sharded_start[key], ordinary[key]) for key in ordinary)
+
+
+def test_export_writes_one_weights_only_file_with_the_run_validation_loss(runs, tmp_path):
+    fsdp_dir, _ = runs.fsdp
+    out = tmp_path / "model.pt"
+    command = [sys.executable, "export.py", str(fsdp_dir / "checkpoints" / "last"), str(out)]
+    result = subprocess.run(command, cwd=PROJECT, env=training_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    state = torch.load(out, weights_only=True)
+    cfg = Config(**state["config"])
+    model = build_model(cfg)
+    model.load_state_dict(state["model"])
+    model.eval()
+    _, val_set = build_datasets(cfg)
+    loss_sum, count = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in torch.utils.data.DataLoader(val_set, batch_size=64):
+            logits = model(inputs)
+            loss_sum += F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum").item()
+            count += targets.numel()
+    assert loss_sum / count == pytest.approx(read_metrics(fsdp_dir)[-1]["val_loss"], rel=1e-5)
+
+
+def test_sigterm_under_fsdp_saves_shards_and_resume_is_exact(runs, tmp_path):
+    """SIGTERM to torchrun: the ranks agree, finish the (asynchronous) sharded save and exit;
+    the same command resumes, bit for bit the uninterrupted run."""
+    output_dir = tmp_path / "run"
+    args = [*ARGS, *TWO, *FSDP, "--async_checkpoint", "true"]
+    with open(tmp_path / "run.log", "w") as log:
+        command = training_command(output_dir, *args, nproc=2, probe="slow")
+        process = subprocess.Popen(command, cwd=PROJECT, env=training_env(), stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
+        try:
+            wait_for(output_dir / "checkpoints" / "step_000000004", process)
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) != 0
+        finally:
+            kill_tree(process.pid)
+            process.wait()
+    stopped_at = int((tmp_path / "run.log").read_text().split("stopped by SIGTERM at step ", 1)[1].split(";")[0])
+    assert 4 < stopped_at < 12
+    # The save in flight when the stop came is complete, and `last` is it.
+    assert torch.load(output_dir / "checkpoints" / "last" / "trainer.pt", weights_only=True)["step"] == stopped_at
+    run_training(output_dir, *args, nproc=2)  # the same command again
+    ours, theirs = final_weights(output_dir), final_weights(runs.fsdp[0])
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from the uninterrupted run"
+    assert_same_metrics(output_dir, runs.fsdp[0])
+
+
+def test_damaged_shard_falls_back_and_two_process_checkpoint_resumes_on_one(runs):
+    output_dir, result = runs.one_from_two
+    assert "step_000000006 is unreadable" in result.stdout and "trying an older checkpoint" in result.stdout
+    assert "resumed from" in result.stdout and "step_000000004: epoch 1, step 4" in result.stdout
+    assert_close_weights(final_weights(output_dir), final_weights(runs.fsdp[0]))
+    ours, theirs = read_metrics(output_dir)[-1], read_metrics(runs.fsdp[0])[-1]
+    assert (ours["step"], ours["lr"]) == (theirs["step"], theirs["lr"])  # the schedule on course
+
+
+def test_one_process_checkpoint_resumes_on_two(runs, tmp_path):
+    source = runs.one_from_two[0] / "checkpoints" / "step_000000008"
+    assert torch.load(source / "trainer.pt", weights_only=True)["world_size"] == 1
+    shutil.copytree(source, tmp_path / "checkpoints" / source.name)
+    result = run_training(tmp_path, *ARGS, *TWO, *FSDP, nproc=2)
+    assert "step_000000008: epoch 1, step 8" in result.stdout
+    assert_close_weights(final_weights(tmp_path), final_weights(runs.fsdp[0]))
+    ours, theirs = read_metrics(tmp_path)[-1], read_metrics(runs.fsdp[0])[-1]
+    assert (ours["step"], ours["lr"]) == (theirs["step"], theirs["lr"])
