@@ -7,6 +7,7 @@ Rules this file enforces for the rest of the project:
 - The process group is destroyed on every exit path (`cleanup_distributed` in a finally).
 """
 
+import collections
 import faulthandler
 import functools
 import gc
@@ -226,16 +227,20 @@ def any_rank(*flags, device):
     return Agreement(flags, device).result()
 
 
+_barrier_uses = collections.Counter()  # per name: each use waits for its own arrivals
+
+
 def store_barrier(ctx, name, error=None, timeout_seconds=1800, knob="--checkpoint_timeout_seconds"):
     """Wait until every rank has arrived at `name`, up to `timeout_seconds`, through the store.
 
     For waits that collectives must not bound: while rank 0 writes a large checkpoint to a slow
     file system, the other ranks wait here rather than in a collective limited by
     --timeout_seconds. Each rank may report an error; returns one of those reported, or None.
-    Every rank must call it with the same names in the same order; `knob` is the flag that sets
-    the limit, for the error message.
+    Every rank must call it with the same names in the same order (a name used again is a new
+    barrier); `knob` is the flag that sets the limit, for the error message.
     """
-    key = f"barrier/{name}"
+    _barrier_uses[name] += 1
+    key = f"barrier/{name}/{_barrier_uses[name]}"
     if error:
         ctx.store.set(f"{key}/error", error)
     if ctx.store.add(f"{key}/arrived", 1) == ctx.world_size:
@@ -470,14 +475,22 @@ def checkpoint_candidates(checkpoint_dir):
     return last + numbered
 
 
-def load_latest_checkpoint(checkpoint_dir, device):
-    """The newest readable checkpoint in `checkpoint_dir`, skipping damaged ones with a warning.
+def load_latest_checkpoint(checkpoint_dir, device, sharded=False):
+    """The newest readable checkpoint in `checkpoint_dir`, skipping damaged ones with a warning:
+    files, or with `sharded` folders (--strategy fsdp).
 
     Returns (state, path), or (None, None) when the folder holds no checkpoint at all.
     Raises CheckpointError when checkpoints exist but none is readable: starting fresh
     over them would silently throw a run away.
     """
-    candidates = checkpoint_candidates(checkpoint_dir)
+    everything = checkpoint_candidates(checkpoint_dir)
+    candidates = [path for path in everything if path.is_dir() == sharded]
+    if everything and not candidates:
+        strategies = ("fsdp", "ddp") if sharded else ("ddp", "fsdp")
+        raise CheckpointError(
+            f"{checkpoint_dir} holds checkpoints of --strategy {strategies[1]}, not {strategies[0]}: resume with "
+            f"--strategy {strategies[1]}, or pass another --output_dir"
+        )
     for path in candidates:
         try:
             return load_checkpoint(path, device), path
@@ -562,16 +575,25 @@ def _prepare_sharded(tmp, trainer_state):
 
 @rank_zero_only
 def _publish_sharded(tmp, final, keep):
+    """Rename the complete `tmp` to `final`, point `last` at it, then prune: at every moment
+    `last` and the step folders are complete checkpoints."""
     try:
-        shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run)
+        _fsync_dir(tmp)
+        replaced = final.with_name(f".{final.name}.old")
+        if final.exists():  # the same step saved again (a run resumed from an older one)
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(tmp, final)
         link = final.parent / ".last.link"
         link.unlink(missing_ok=True)
         link.symlink_to(final.name)
         os.replace(link, final.parent / "last")
-        for old in sorted(p for p in final.parent.glob("step_*") if p.is_dir())[: -max(keep, 1)]:
-            shutil.rmtree(old)
         _fsync_dir(final.parent)
+        shutil.rmtree(replaced, ignore_errors=True)
+        # The newest `keep` step folders stay (at least the one `last` names), never this one.
+        others = sorted(p for p in final.parent.glob("step_*") if p.is_dir() and p != final)
+        for old in others[: len(others) - max(keep - 1, 0)]:
+            shutil.rmtree(old)
     except OSError as error:
         log.error("could not write checkpoint to %s: %s", final.parent, error)
         return f"could not write checkpoint to {final.parent}: {error}"

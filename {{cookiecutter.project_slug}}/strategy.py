@@ -12,6 +12,8 @@ with or without a meta-device start (`build_module`).
 
 import contextlib
 import zlib
+from collections import Counter
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,24 +54,31 @@ def build_module(cfg, device, on_meta=False, shard=None):
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         model = build_model(cfg)
     done, made = set(), {}
+    holders = Counter(id(t) for m in model.modules() for t in _own_tensors(m) if t.is_meta)
     for unit in [*shard_units(model), model]:  # the model last: what no unit holds
+        members = set(unit.modules())
         for name, module in model.named_modules():
-            if module in done or not any(module is m for m in unit.modules()):
+            if module in done or module not in members:
                 continue
             done.add(module)
             # Its own tensors only: materialised on the CPU, initialised there (the CPU
             # generator, whatever the device), then moved.
-            materialize(module, made)
-            init_module(model, name, module, cfg.seed)
+            materialize(module, made, holders)
+            if not init_module(model, name, module, cfg.seed) and on_meta:
+                raise TypeError(
+                    f"{name} ({type(module).__name__}) has parameters but no reset_parameters(), and the model no "
+                    "init_weights(name, module): on the meta device it would start uninitialised; give it one"
+                )
             module._apply(lambda t: t.to(device), recurse=False)  # in place: tied weights stay tied
         shard(unit)
     return model
 
 
-def materialize(module, made):
+def materialize(module, made, holders):
     """Give `module`'s own meta tensors real (uninitialised) CPU memory. A parameter two modules
     share (tied embeddings) becomes one tensor for both: `made` maps each meta tensor's id to
-    (it, its copy) (Module.to_empty would give each holder its own, silently untying them)."""
+    (it, its copy) until its last holder has it (Module.to_empty would give each holder its
+    own, silently untying them); then the entry goes, so sharding can free the whole tensor."""
     for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
         if tensor.is_meta:
             if id(tensor) not in made:
@@ -77,6 +86,13 @@ def materialize(module, made):
                 copy = nn.Parameter(copy, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else copy
                 made[id(tensor)] = (tensor, copy)  # the meta tensor kept alive: its id stays unique
             setattr(module, name, made[id(tensor)][1])
+            holders[id(tensor)] -= 1
+            if holders[id(tensor)] == 0:
+                del made[id(tensor)]
+
+
+def _own_tensors(module):
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
 def shard_units(model):
@@ -88,17 +104,18 @@ def shard_units(model):
 def init_module(model, name, module, seed):
     """Initialise `module`'s own parameters and buffers, from a generator seeded by its name.
 
-    The model's own scheme (`model.init_weights(name, module)`) where it has one, else the
-    module's `reset_parameters()` (PyTorch's defaults)."""
-    own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    if not own:
-        return
+    The module's `reset_parameters()` (PyTorch's defaults), then the model's own scheme where
+    it has one (`model.init_weights(name, module)`), which may redraw some of them. Returns
+    whether anything initialised it (modules without parameters need nothing)."""
+    if not _own_tensors(module):
+        return True
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(mix_seed(seed, zlib.crc32(name.encode())))
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
         if hasattr(model, "init_weights"):
             model.init_weights(name, module)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+    return hasattr(module, "reset_parameters") or hasattr(model, "init_weights")
 
 
 # --- the strategies -----------------------------------------------------------------------
@@ -167,7 +184,8 @@ class FSDPStrategy:
         self.module = self.model = build_module(cfg, ctx.device, on_meta=True, shard=shard)
         # Checkpoint collectives run on a group of their own: an asynchronous save overlaps
         # the next steps, whose collectives use the default group.
-        self.checkpoint_group = dist.new_group(backend="gloo")
+        timeout = timedelta(seconds=cfg.checkpoint_timeout_seconds)  # a slow file system, not a dead peer
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
         self.pending = None
 
     def sync_gradients(self, sync):

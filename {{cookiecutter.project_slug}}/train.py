@@ -1,14 +1,16 @@
-"""Train a model with PyTorch DistributedDataParallel.
+"""Train a model with PyTorch DistributedDataParallel, or fully sharded (--strategy fsdp).
 
 The same script runs as one process or many:
 
     python train.py --epochs 2
     torchrun --standalone --nproc_per_node=2 train.py --epochs 2
+    torchrun --standalone --nproc_per_node=2 train.py --epochs 2 --strategy fsdp
 
 Read top to bottom: learning-rate schedule, the Trainer (setup, resume, loop, evaluation,
 checkpoints), then `main`, which owns the process group's lifetime.
 """
 
+import contextlib
 import logging
 import math
 import os
@@ -217,6 +219,7 @@ class Trainer:
         self.pending_log = None  # (step, HostCopy of the loss, samples/s), printed one step later
         self.skipped_in_a_row = 0  # fp16 steps skipped for overflow, in a row
         self.last_evaluated = None  # the step of the last metrics line
+        self.last_saved = None  # the step of the last checkpoint this process wrote
         self.period = Period(time.perf_counter(), time.process_time(), 0)  # restarted by train()
         self.stop = StopRequest()
         # Fires a little before the collective timeout, so stacks are written before the job ends.
@@ -271,7 +274,7 @@ class Trainer:
         """(path or None, error or None, state or None), decided by rank 0 alone."""
         try:
             if self.cfg.resume == "auto":
-                state, path = load_latest_checkpoint(self.checkpoint_dir, self.ctx.device)
+                state, path = load_latest_checkpoint(self.checkpoint_dir, self.ctx.device, self.strategy.sharded)
                 return (str(path) if path else None), None, state
             return self.cfg.resume, None, load_checkpoint(Path(self.cfg.resume), self.ctx.device)
         except CheckpointError as error:
@@ -348,6 +351,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
         }
         self.strategy.save(state, self.optimizer, self.checkpoint_dir, self.cfg)
+        self.last_saved = self.step
         if stop or stopping:  # the process exits next: an asynchronous save must be complete
             self.strategy.wait_for_checkpoint()
         self.period.checkpoint_s += time.perf_counter() - started
@@ -378,7 +382,8 @@ class Trainer:
                     raise Preempted(self.stop.signum or signal.SIGTERM)
         if self.last_evaluated != self.step:  # the run ended between evaluations
             self._evaluate_and_report()
-            self._save_checkpoint()
+            if self.last_saved != self.step:  # not saved at the epoch's end already
+                self._save_checkpoint()
 
     def _finished(self):
         return self.step >= self.cfg.max_steps if self.cfg.max_steps else self.epoch >= self.cfg.epochs
@@ -606,6 +611,8 @@ class Trainer:
         inputs = None
         for inputs, targets in self.val_loader:
             yield inputs, targets
+        if inputs is None:  # no validation sample at all on this rank: any input will do
+            inputs = self.val_loader.dataset[0][0][None]
         for _ in range(batches.item() - len(self.val_loader)):
             yield inputs, None
 
@@ -630,6 +637,9 @@ def run(cfg, ctx):
         trainer.wait_for_checkpoint()
     except (TrainingError, CheckpointError) as error:
         report("%s", error, level=logging.ERROR)
+        if trainer is not None:  # every rank is here (the error was agreed): finish a save in flight
+            with contextlib.suppress(CheckpointError):
+                trainer.wait_for_checkpoint()
         return 1
     except Preempted as stop:
         report("stopped by %s at step %d; checkpoint saved, run the same command to resume", stop, trainer.step)

@@ -29,6 +29,7 @@ from conftest import (
 import export
 from config import Config, parse_config
 from dataset import build_datasets
+from ddp_utils import check_sharded_checkpoint
 from loaders import seed_everything
 from model import build_model
 from strategy import build_module
@@ -118,13 +119,16 @@ def test_fsdp_holds_half_the_model_state_per_process(runs):
 
 
 def test_meta_device_start_gives_the_weights_of_an_ordinary_start(runs):
-    """The sharded run starts from the weights that building the model on the CPU gives."""
-    sharded_start = torch.load(runs.fsdp[0] / "initial_weights.pt", weights_only=True)
+    """The sharded run starts from the weights that building the model on the CPU gives, and
+    so does a meta-device start without sharding (--init_on_meta under ddp)."""
     cfg = parse_config([*TINY, *ARGS, *TWO, *FSDP])
     seed_everything(cfg.seed)
     ordinary = build_module(cfg, torch.device("cpu")).state_dict()
-    assert sharded_start.keys() == ordinary.keys()
-    assert all(torch.equal(sharded_start[key], ordinary[key]) for key in ordinary)
+    sharded_start = torch.load(runs.fsdp[0] / "initial_weights.pt", weights_only=True)
+    meta_start = build_module(cfg, torch.device("cpu"), on_meta=True).state_dict()
+    for start in (sharded_start, meta_start):
+        assert start.keys() == ordinary.keys()
+        assert all(torch.equal(start[key], ordinary[key]) for key in ordinary)
 
 
 def test_export_writes_one_weights_only_file_with_the_run_validation_loss(runs, tmp_path):
@@ -178,6 +182,7 @@ def test_damaged_shard_falls_back_and_two_process_checkpoint_resumes_on_one(runs
     output_dir, result = runs.one_from_two
     assert "step_000000006 is unreadable" in result.stdout and "trying an older checkpoint" in result.stdout
     assert "resumed from" in result.stdout and "step_000000004: epoch 1, step 4" in result.stdout
+    check_sharded_checkpoint(output_dir / "checkpoints" / "step_000000006")  # saved again, whole
     assert_close_weights(final_weights(output_dir), final_weights(runs.fsdp[0]))
     ours, theirs = read_metrics(output_dir)[-1], read_metrics(runs.fsdp[0])[-1]
     assert (ours["step"], ours["lr"]) == (theirs["step"], theirs["lr"])  # the schedule on course
@@ -187,8 +192,13 @@ def test_one_process_checkpoint_resumes_on_two(runs, tmp_path):
     source = runs.one_from_two[0] / "checkpoints" / "step_000000008"
     assert torch.load(source / "trainer.pt", weights_only=True)["world_size"] == 1
     shutil.copytree(source, tmp_path / "checkpoints" / source.name)
-    result = run_training(tmp_path, *ARGS, *TWO, *FSDP, nproc=2)
+    # Gathered parameters kept from forward to backward: fewer all-gathers, the same numbers.
+    args = [*ARGS, *TWO, *FSDP, "--reshard_after_forward", "false", "--keep_checkpoints", "1"]
+    result = run_training(tmp_path, *args, nproc=2)
     assert "step_000000008: epoch 1, step 8" in result.stdout
+    # One step folder kept (steps 10 and 12 written since), the one `last` names.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last", "step_000000012"]
+    assert (tmp_path / "checkpoints" / "last").resolve().name == "step_000000012"
     assert_close_weights(final_weights(tmp_path), final_weights(runs.fsdp[0]))
     ours, theirs = read_metrics(tmp_path)[-1], read_metrics(runs.fsdp[0])[-1]
     assert (ours["step"], ours["lr"]) == (theirs["step"], theirs["lr"])

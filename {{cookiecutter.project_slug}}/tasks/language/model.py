@@ -126,17 +126,15 @@ class GPT(nn.Module):
             self.init_weights(name, module)
 
     def init_weights(self, name, module):
-        """GPT-2's initialisation of one module's own parameters; each residual projection is
-        scaled by 1/sqrt(2 x n_layer) so the residual stream's variance does not grow with depth
-        (two branches add to it per block). train.py calls it module by module, from generators
-        seeded by name (strategy.py), so a meta-device start gives the same weights."""
+        """GPT-2's initialisation of one module's own parameters (LayerNorm keeps PyTorch's); each
+        residual projection is scaled by 1/sqrt(2 x n_layer) so the residual stream's variance
+        does not grow with depth (two branches add to it per block). strategy.py calls it module
+        by module, from generators seeded by name, so a meta-device start gives the same weights."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj") else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
-        if isinstance(module, nn.LayerNorm):
-            module.reset_parameters()
 
     def shard_units(self):
         """What --strategy fsdp shards one by one: each block (the rest goes with the model)."""
