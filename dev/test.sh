@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
 export OMP_NUM_THREADS=1
-exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-4}" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-4}" --dist loadgroup --durations=15 "$@"

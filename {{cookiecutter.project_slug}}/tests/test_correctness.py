@@ -20,6 +20,8 @@ from config import Config
 pytestmark = pytest.mark.fixed_amp  # exact comparisons need --amp none; set per run below
 
 EXACT = ["--amp", "none", "--epochs", "2", "--val_samples", "255"]  # odd: ranks evaluate 128 and 127
+# Optimizer steps of the equivalence runs: 2 epochs of 16, unless the task stops them earlier.
+EQUIVALENCE_STEPS = int(dict(zip(task.EQUIVALENCE_ARGS[::2], task.EQUIVALENCE_ARGS[1::2])).get("--max_steps", 32))
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def equivalent_runs(tmp_path_factory):
         ("2x16_accum2", ["--batch_size", "16", "--grad_accum_steps", "2"], 2, "record_grad_norms,count_allreduce"),
     ]:
         output_dir = tmp_path_factory.mktemp(name)
-        result = run_training(output_dir, *EXACT, *args, nproc=nproc, probe=probe)
+        result = run_training(output_dir, *EXACT, *task.EQUIVALENCE_ARGS, *args, nproc=nproc, probe=probe)
         probed = {key: value for line in probe_output(result) for key, value in line.items()}
         runs[name] = SimpleNamespace(output_dir=output_dir, probed=probed, model=load_final_model(output_dir))
     return runs
@@ -58,7 +60,7 @@ def test_world_size_and_accumulation_give_the_same_gradients(equivalent_runs):
     accumulation steps), so equal parameters alone would not show it; clipping thresholds and
     SGD would. Every step's gradient norm must match the single-process run's."""
     reference = equivalent_runs["1x64"].probed["grad_norms"]
-    assert len(reference) == 2 * 1024 // 64
+    assert len(reference) == EQUIVALENCE_STEPS  # every step's
     for name in compared_runs():
         assert equivalent_runs[name].probed["grad_norms"] == pytest.approx(reference, rel=1e-3), name
 
@@ -76,7 +78,7 @@ def test_world_size_and_accumulation_give_the_same_metrics(equivalent_runs):
 def test_accumulation_all_reduces_once_per_optimizer_step(equivalent_runs):
     run = equivalent_runs["2x16_accum2"]
     steps = read_metrics(run.output_dir)[-1]["step"]
-    assert steps == 2 * 1024 // 64
+    assert steps == EQUIVALENCE_STEPS
     assert run.probed["allreduce_calls"] == steps  # one bucket for this small model, once per step
 
 

@@ -25,6 +25,9 @@ CONTRACT_FIELDS += ("n_embd", "dropout", "activation_checkpointing")
 # --strategy fsdp runs with activation checkpointing too: it must combine with sharding.
 FSDP_ARGS = ["--activation_checkpointing", "true"]
 
+# Extra arguments of the world-size equivalence runs (test_correctness.py): none.
+EQUIVALENCE_ARGS = []
+
 
 def prepare_data(folder):
     """A few modules of the Python standard library, as prepare_data.py writes them."""

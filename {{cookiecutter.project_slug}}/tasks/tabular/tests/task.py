@@ -18,6 +18,9 @@ CONTRACT_FIELDS = ("train_samples", "val_samples", "input_dim", "hidden_dim", "n
 # Options every --strategy fsdp run of the shared tests adds: none for this model.
 FSDP_ARGS = []
 
+# Extra arguments of the world-size equivalence runs (test_correctness.py): none.
+EQUIVALENCE_ARGS = []
+
 
 def prepare_data(folder):
     """The data is made in memory from the seed: nothing to prepare, no arguments to add."""
