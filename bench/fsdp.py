@@ -46,12 +46,7 @@ def run(project, data, strategy, steps, output_dir, env=None):
              "--train_samples", 100000, "--val_samples", 64, "--data_dir", data, "--output_dir", output_dir,
              "--resume", "none", "--progress_bar", "false", "--log_every_steps", 0]  # fmt: skip
     flags += [item for name, value in SIZES.items() for item in (f"--{name}", value)]
-    os.environ.update(env or {})
-    try:
-        run_job([*torchrun(2), "train.py", *map(str, flags)], project, "INFO training ")
-    finally:
-        for name in env or {}:
-            del os.environ[name]
+    run_job([*torchrun(2), "train.py", *map(str, flags)], project, "INFO training ", env)
     (metrics,) = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
     return {key: metrics[key] for key in ("model_state_mb", "peak_memory_mb", "tokens_per_s")}
 
@@ -76,11 +71,15 @@ def main():
     parameters = (12 * SIZES["n_embd"] ** 2 + 13 * SIZES["n_embd"]) * SIZES["n_layer"]
     parameters += (256 + SIZES["block_size"] + 2) * SIZES["n_embd"]
     lines = [
-        f"- Machine: {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}; Python "
-        f"{platform.python_version()}, torch {torch.__version__}; {datetime.date.today()}",
-        f"- Job: GPT {SIZES['n_layer']} layers x {SIZES['n_embd']} wide ({parameters / 1e6:.2f}M parameters), "
-        f"{SIZES['block_size']}-token windows, batch {SIZES['batch_size']} per rank, {args.steps} steps, amp none, "
-        f"AdamW; 2 ranks (gloo, OMP_NUM_THREADS=1); {args.rounds} rounds, alternating A B A B.",
+        (
+            f"- Machine: {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}; Python "
+            f"{platform.python_version()}, torch {torch.__version__}; {datetime.date.today()}"
+        ),
+        (
+            f"- Job: GPT {SIZES['n_layer']} layers x {SIZES['n_embd']} wide ({parameters / 1e6:.2f}M parameters), "
+            f"{SIZES['block_size']}-token windows, batch {SIZES['batch_size']} per rank, {args.steps} steps, "
+            f"amp none, AdamW; 2 ranks (gloo, OMP_NUM_THREADS=1); {args.rounds} rounds, alternating A B A B."
+        ),
         "",
         "| metric | ddp | fsdp |",
         "| --- | --- | --- |",

@@ -33,9 +33,9 @@ BENCH = Path(__file__).resolve().parent
 TEMPLATE = BENCH.parent
 
 
-def run_job(command, cwd, first_step_marker):
+def run_job(command, cwd, first_step_marker, env=None):
     """Run one torchrun job; time to the first step from the marker line's arrival."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     launched = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first_step, lines = None, []

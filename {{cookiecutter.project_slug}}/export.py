@@ -15,10 +15,9 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from config import Config
-from ddp_utils import CheckpointError, load_checkpoint, rank_zero_only
+from ddp_utils import CheckpointError, load_checkpoint, load_sharded_checkpoint, rank_zero_only
 from knobs import ConfigError, exit_with_error
 from model import build_model
 
@@ -36,13 +35,10 @@ def consolidated(path):
         model = build_model(cfg)  # only for the names and shapes: no memory, no initialisation
     model.to_empty(device="cpu")
     weights = {"model": model.state_dict()}
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            # Read on this process alone: every shard, whatever world size wrote them.
-            dcp.load(weights, checkpoint_id=str(path), no_dist=True)
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {str(error).strip().splitlines()[0]}") from None
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        # No process group: this process alone reads every shard, whatever world size wrote them.
+        load_sharded_checkpoint(path, weights, group=None)
     return {"model": weights["model"], "config": state["config"]}
 
 

@@ -616,10 +616,6 @@ class Trainer:
         for _ in range(batches.item() - len(self.val_loader)):
             yield inputs, None
 
-    def wait_for_checkpoint(self):
-        """An asynchronous checkpoint complete, and `last`: before the process exits."""
-        self.strategy.wait_for_checkpoint()
-
     def close(self):
         self.watchdog.close()
         self.reporter.close()
@@ -634,12 +630,12 @@ def run(cfg, ctx):
         trainer = Trainer(cfg, ctx)
         trainer.resume()
         trainer.train()
-        trainer.wait_for_checkpoint()
+        trainer.strategy.wait_for_checkpoint()  # an asynchronous save complete before the exit
     except (TrainingError, CheckpointError) as error:
         report("%s", error, level=logging.ERROR)
         if trainer is not None:  # every rank is here (the error was agreed): finish a save in flight
             with contextlib.suppress(CheckpointError):
-                trainer.wait_for_checkpoint()
+                trainer.strategy.wait_for_checkpoint()
         return 1
     except Preempted as stop:
         report("stopped by %s at step %d; checkpoint saved, run the same command to resume", stop, trainer.step)
