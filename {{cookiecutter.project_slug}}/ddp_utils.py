@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 log = logging.getLogger("train")
 
@@ -543,6 +542,8 @@ def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, k
     With `wait` false, DCP copies the shards to memory and writes them in a thread (on
     `group`, a process group of its own) while training goes on.
     """
+    import torch.distributed.checkpoint as dcp  # here, not at the top: see check_sharded_checkpoint
+
     checkpoint_dir = Path(checkpoint_dir)
     final = checkpoint_dir / f"step_{step:09d}"
     tmp = checkpoint_dir / f".{final.name}.tmp"
@@ -602,6 +603,10 @@ def _publish_sharded(tmp, final, keep):
 
 def check_sharded_checkpoint(path):
     """Raise if a shard named in the checkpoint's metadata is missing or cut short."""
+    # DCP is imported where it is used: it pulls in DTensor and sympy, 1.5 s of start-up per
+    # process that ddp runs (one-file checkpoints) never need.
+    import torch.distributed.checkpoint as dcp
+
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     for info in metadata.storage_data.values():
         shard = Path(path) / info.relative_path
@@ -612,6 +617,8 @@ def check_sharded_checkpoint(path):
 def load_sharded_checkpoint(path, sharded, group):
     """Read this rank's shards of `sharded` from the checkpoint folder `path`, in place; every
     rank calls it (DCP reshards to this world size)."""
+    import torch.distributed.checkpoint as dcp  # here, not at the top: see check_sharded_checkpoint
+
     try:
         dcp.load(sharded, checkpoint_id=str(path), process_group=group)
     except Exception as failure:  # DCP's CheckpointException: every rank sees the same

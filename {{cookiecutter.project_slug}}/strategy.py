@@ -19,8 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_utils import CheckpointError, load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint
@@ -172,6 +170,10 @@ class FSDPStrategy:
     sharded = True  # every forward all-gathers: ranks must run the same number of batches
 
     def __init__(self, cfg, ctx):
+        # FSDP and DCP are imported here, not at the top: they pull in DTensor and sympy, 1.5 s
+        # of start-up per process that ddp runs never need.
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         self.ctx, self.cfg = ctx, cfg
         amp = AMP_DTYPES[cfg.amp]
         # bf16 parameters for compute; gradients reduced (and kept) in fp32.
@@ -201,6 +203,8 @@ class FSDPStrategy:
     def save(self, state, optimizer, checkpoint_dir, cfg):
         """Every rank writes its shards of the model and optimizer state in parallel (DCP);
         with --async_checkpoint the writing overlaps the next steps."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         self.wait_for_checkpoint()
         model_state, optimizer_state = get_state_dict(self.model, optimizer)
         self.pending = save_sharded_checkpoint(
@@ -220,6 +224,8 @@ class FSDPStrategy:
     def load(self, state, path, optimizer):
         if "model" in state:
             raise CheckpointError(f"checkpoint {path} is one file (--strategy ddp): resume it with --strategy ddp")
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
         model_state, optimizer_state = get_state_dict(self.model, optimizer)
         sharded = {"model": model_state, "optimizer": optimizer_state}
         # DCP reads what this rank's shards need, whatever world size wrote them.

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -307,6 +306,8 @@ def record_initial_weights():
     original = train.Trainer.resume
 
     def resume(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         weights = get_model_state_dict(self.strategy.module, options=StateDictOptions(full_state_dict=True))
         if RANK == 0:
             torch.save(weights, Path(self.cfg.output_dir) / "initial_weights.pt")
