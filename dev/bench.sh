@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Benchmark the generated train.py against a minimal DDP loop (see bench/run.py), or with
-# --fsdp its two strategies against each other (see bench/fsdp.py).
+# --fsdp its two strategies against each other (see bench/fsdp.py), or with --network the
+# step time of two hosts against one over limited links (see bench/network.py; needs root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
 if [[ ${1:-} == --fsdp ]]; then
     shift
     exec .venv/bin/python bench/fsdp.py "$@"
+fi
+if [[ ${1:-} == --network ]]; then
+    shift
+    exec .venv/bin/python bench/network.py "$@"
 fi
 exec .venv/bin/python bench/run.py "$@"

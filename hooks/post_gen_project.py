@@ -13,6 +13,10 @@ from pathlib import Path
 # file in the generated project -> (prompt, the answer that keeps it)
 OPTIONAL_FILES = {
     "scripts/slurm.sbatch": ("slurm", "yes"),
+    "k8s": ("kubernetes", "yes"),  # a folder: removed whole
+    "Dockerfile": ("kubernetes", "yes"),
+    ".dockerignore": ("kubernetes", "yes"),
+    "tests/test_kubernetes.py": ("kubernetes", "yes"),
 }
 
 
@@ -31,12 +35,20 @@ def place_task_files(project_dir, task):
 
 def remove_unwanted(project_dir, answers):
     for relative_path, (prompt, keep_when) in OPTIONAL_FILES.items():
-        if answers[prompt] != keep_when:
-            (Path(project_dir) / relative_path).unlink(missing_ok=True)
+        path = Path(project_dir) / relative_path
+        if answers[prompt] == keep_when:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def main():
-    answers = json.loads(r"""{"task": {{ cookiecutter.task | tojson }}, "slurm": {{ cookiecutter.slurm | tojson }}}""")
+    answers = json.loads(
+        r"""{"task": {{ cookiecutter.task | tojson }}, "slurm": {{ cookiecutter.slurm | tojson }},
+        "kubernetes": {{ cookiecutter.kubernetes | tojson }}}"""
+    )
     place_task_files(Path.cwd(), answers["task"])
     remove_unwanted(Path.cwd(), answers)
 

@@ -49,6 +49,20 @@ def check_yes_no(name, value):
     return None
 
 
+K8S_NAME_MAX = 40  # + "-node-0-0" (node 0's pod hostname) stays well under DNS's 63
+
+
+def check_kubernetes_name(slug):
+    """With kubernetes=yes the slug, '_' as '-', names the Kubernetes objects: a DNS label."""
+    name = str(slug).replace("_", "-")
+    if len(name) > K8S_NAME_MAX or not name[-1:].isalnum():
+        return (
+            f"project_slug {slug!r} cannot name Kubernetes objects (kubernetes=yes): use at most "
+            f"{K8S_NAME_MAX} characters, ending with a letter or digit"
+        )
+    return None
+
+
 def first_error(answers):
     """Return one line describing the first invalid answer, or None if all are valid."""
     checks = [check_slug(answers.get("project_slug"))]
@@ -56,6 +70,9 @@ def first_error(answers):
     checks.append(check_task(answers.get("task")))
     checks.append(check_amp(answers.get("amp")))
     checks.append(check_yes_no("slurm", answers.get("slurm")))
+    checks.append(check_yes_no("kubernetes", answers.get("kubernetes")))
+    if not any(checks) and answers.get("kubernetes") == "yes":
+        checks.append(check_kubernetes_name(answers.get("project_slug")))
     return next((error for error in checks if error), None)
 
 
@@ -69,7 +86,8 @@ def main():
         "gpus_per_node": {{ cookiecutter.gpus_per_node | tojson }},
         "task": {{ cookiecutter.task | tojson }},
         "amp": {{ cookiecutter.amp | tojson }},
-        "slurm": {{ cookiecutter.slurm | tojson }}
+        "slurm": {{ cookiecutter.slurm | tojson }},
+        "kubernetes": {{ cookiecutter.kubernetes | tojson }}
     }"""
     )
     error = first_error(answers)

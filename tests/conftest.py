@@ -37,11 +37,20 @@ def project_files(project):
 TASKS = ("language", "vision", "tabular")  # the first is the default
 
 
-def template_files(task):
-    """The files a project of `task` gets, as paths relative to it (slurm=yes): the shared files
-    of the template's project folder, and the task's own from tasks/<task>/ in their places."""
+# The files each optional answer keeps, as hooks/post_gen_project.py removes them otherwise.
+KUBERNETES_FILES = {"k8s/trainjob.yaml", "k8s/jobset.yaml", "k8s/pvc.yaml", "Dockerfile", ".dockerignore",
+                    "tests/test_kubernetes.py"}  # fmt: skip
+OPTIONAL = {"slurm": {"scripts/slurm.sbatch"}, "kubernetes": KUBERNETES_FILES}
+
+
+def template_files(task, slurm="yes", kubernetes="no"):
+    """The files a project of `task` gets, as paths relative to it: the shared files of the
+    template's project folder, and the task's own from tasks/<task>/ in their places, less
+    the optional files the answers leave out."""
     root = TEMPLATE / "{{cookiecutter.project_slug}}"
     files = {p.relative_to(root) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     shared = {str(p) for p in files if p.parts[0] != "tasks"}
     own = {str(p.relative_to(f"tasks/{task}")) for p in files if p.parts[:2] == ("tasks", task)}
-    return shared | own
+    removed = set().union(*(OPTIONAL[prompt] for prompt, answer in (("slurm", slurm), ("kubernetes", kubernetes))
+                            if answer != "yes"))  # fmt: skip
+    return (shared | own) - removed

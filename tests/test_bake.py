@@ -68,7 +68,10 @@ def test_prompt_values_reach_their_places(cookies):
                       author_name="Ada", description="Trains things.")  # fmt: skip
     assert project.name == "vision_trainer"
     launch = (project / "scripts" / "launch.sh").read_text()
-    assert "NNODES=${NNODES:-4}" in launch and "NPROC_PER_NODE=${NPROC_PER_NODE:-2}" in launch
+    assert (
+        "NNODES=${NNODES:-${PET_NNODES:-4}}" in launch
+        and "NPROC_PER_NODE=${NPROC_PER_NODE:-${PET_NPROC_PER_NODE:-2}}" in launch
+    )
     assert 'knob(\n        "fp16",' in (project / "config.py").read_text()
     meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
     assert (meta["name"], meta["description"], meta["authors"]) == (
@@ -107,6 +110,7 @@ def test_hostile_user_text_renders_valid_files_and_runs_nothing(cookies, tmp_pat
         ("gpus_per_node=1.5", "gpus_per_node"),
         ("amp=fp8", "amp"),
         ("task=audio", "task"),
+        ("kubernetes=maybe", "kubernetes"),
     ],
 )
 def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prompt):
@@ -115,7 +119,7 @@ def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prom
     result = run(["cookiecutter", "--no-input", str(TEMPLATE), "-o", str(output), answer], cwd=tmp_path)
     assert result.returncode != 0
     assert list(output.iterdir()) == []
-    if prompt in ("amp", "task"):
+    if prompt in ("amp", "task", "kubernetes"):
         # cookiecutter itself rejects a value outside a choice list, before our checks run.
         assert f"choice variable {prompt}" in result.stderr
         return
@@ -126,9 +130,14 @@ def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prom
 GENERATED_TEST_MODULES = sorted(
     p.name for p in (TEMPLATE / "{{cookiecutter.project_slug}}" / "tests").glob("test_*.py")
 ) + ["test_task.py"]
+GENERATED_TEST_MODULES.remove("test_kubernetes.py")  # kubernetes=no here: the tabular bake runs it
+# These time training against a prediction: dev/test.sh runs them after the others, alone.
+ALONE = {"test_network.py"}
 
 
-@pytest.mark.parametrize("module", GENERATED_TEST_MODULES)
+@pytest.mark.parametrize(
+    "module", [pytest.param(m, marks=pytest.mark.alone) if m in ALONE else m for m in GENERATED_TEST_MODULES]
+)
 def test_default_project_suite(default_project, module):
     """The default bake (language, amp bf16) passes every module of its own suite, real
     2-process runs included; one module per test so the modules spread over the workers."""
@@ -147,20 +156,26 @@ TASK_TESTS = [
 ]
 
 
-# --strategy fsdp on the tabular MLP too (the default bake runs all of test_fsdp.py on the GPT).
-FSDP_TESTS = {
-    "tabular": [
-        "tests/test_fsdp.py::test_fsdp_trains_the_same_parameters_as_ddp",
-        "tests/test_fsdp.py::test_meta_device_start_gives_the_weights_of_an_ordinary_start",
-        "tests/test_fsdp.py::test_export_writes_one_weights_only_file_with_the_run_validation_loss",
-    ]
+# The tabular bake also answers kubernetes=yes and runs its k8s/ tests (the default bake has
+# none), and runs --strategy fsdp (the default bake runs all of test_fsdp.py on the GPT).
+EXTRA = {
+    "tabular": (
+        {"kubernetes": "yes"},
+        [
+            "tests/test_kubernetes.py",
+            "tests/test_fsdp.py::test_fsdp_trains_the_same_parameters_as_ddp",
+            "tests/test_fsdp.py::test_meta_device_start_gives_the_weights_of_an_ordinary_start",
+            "tests/test_fsdp.py::test_export_writes_one_weights_only_file_with_the_run_validation_loss",
+        ],
+    )
 }
 
 
 @pytest.mark.parametrize("task", TASKS[1:])
 def test_other_tasks_pass_their_tests(cookies, task):
-    project = bake_ok(cookies, task=task)
-    tests = [*TASK_TESTS, *FSDP_TESTS.get(task, [])]
+    answers, extra_tests = EXTRA.get(task, ({}, []))
+    project = bake_ok(cookies, task=task, **answers)
+    tests = [*TASK_TESTS, *extra_tests]
     result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=project)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "failed" not in result.stdout and " passed" in result.stdout

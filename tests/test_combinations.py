@@ -5,34 +5,36 @@ import os
 import re
 
 import pytest
+import yaml
 from conftest import TASKS, bake_ok, project_files, run, template_files
 
 pytestmark = pytest.mark.xdist_group("combinations")  # one worker bakes them all once
 
 AMPS = ("bf16", "fp16", "none")
-SLURM = ("yes", "no")
+# (slurm, kubernetes): each launcher's files kept and left out, without doubling the bakes.
+PLATFORMS = (("yes", "no"), ("no", "yes"))
 COUNTS = (("1", "1"), ("2", "8"), ("4", "2"))  # (num_nodes, gpus_per_node): a spread of free-form counts
-COMBINATIONS = list(itertools.product(TASKS, AMPS, SLURM, COUNTS))
-OPTIONAL = {"scripts/slurm.sbatch": ("slurm", "yes")}  # as in hooks/post_gen_project.py
+COMBINATIONS = [(task, amp, slurm, kubernetes, counts) for task, amp, (slurm, kubernetes), counts
+                in itertools.product(TASKS, AMPS, PLATFORMS, COUNTS)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def bakes(cookies_session):
     projects = {}
-    for task, amp, slurm, (nodes, gpus) in COMBINATIONS:
-        answers = {"task": task, "amp": amp, "slurm": slurm, "num_nodes": nodes, "gpus_per_node": gpus}
-        name = f"p_{task}_{amp}_{slurm}_{nodes}_{gpus}"
-        projects[task, amp, slurm, nodes, gpus] = bake_ok(cookies_session, project_name=name, **answers)
+    for task, amp, slurm, kubernetes, (nodes, gpus) in COMBINATIONS:
+        answers = {"task": task, "amp": amp, "slurm": slurm, "kubernetes": kubernetes, "num_nodes": nodes,
+                   "gpus_per_node": gpus}  # fmt: skip
+        name = f"p_{task}_{amp}_{slurm}_{kubernetes}_{nodes}_{gpus}"
+        projects[task, amp, slurm, kubernetes, nodes, gpus] = bake_ok(cookies_session, project_name=name, **answers)
     return projects
 
 
 def test_exact_file_set(bakes):
     """The chosen task's files and no other's; the optional files the answers asked for."""
-    for (task, amp, slurm, nodes, gpus), project in bakes.items():
+    for (task, amp, slurm, kubernetes, nodes, gpus), project in bakes.items():
         files = {str(p.relative_to(project)) for p in project_files(project)}
-        answers = {"slurm": slurm}
-        removed = {path for path, (prompt, keep) in OPTIONAL.items() if answers[prompt] != keep}
-        assert files == template_files(task) - removed, project
+        assert files == template_files(task, slurm, kubernetes), project
+        assert (project / "k8s").is_dir() == (kubernetes == "yes"), project
 
 
 def test_no_template_syntax_and_lf_only(bakes):
@@ -61,10 +63,10 @@ def test_ruff_clean_in_every_combination(bakes):
 
 
 def test_prompt_values_reach_their_places(bakes):
-    for (task, amp, slurm, nodes, gpus), project in bakes.items():
+    for (task, amp, slurm, kubernetes, nodes, gpus), project in bakes.items():
         launch = (project / "scripts" / "launch.sh").read_text()
-        assert f"NNODES=${{NNODES:-{nodes}}}" in launch
-        assert f"NPROC_PER_NODE=${{NPROC_PER_NODE:-{gpus}}}" in launch
+        assert f"NNODES=${{NNODES:-${{PET_NNODES:-{nodes}}}}}" in launch
+        assert f"NPROC_PER_NODE=${{NPROC_PER_NODE:-${{PET_NPROC_PER_NODE:-{gpus}}}}}" in launch
         config = (project / "config.py").read_text()
         assert re.search(rf'amp: str = knob\(\s*"{amp}",', config), project
         if slurm == "yes":
@@ -72,3 +74,17 @@ def test_prompt_values_reach_their_places(bakes):
             assert f"#SBATCH --nodes={nodes}\n" in sbatch
             assert f"#SBATCH --gpus-per-node={gpus}\n" in sbatch
             assert "#SBATCH --requeue\n" in sbatch
+        if kubernetes == "yes":
+            name = project.name.replace("_", "-")
+            job = yaml.safe_load((project / "k8s" / "trainjob.yaml").read_text())
+            trainer = job["spec"]["trainer"]
+            assert job["metadata"]["name"] == name and trainer["image"] == f"{name}:latest"
+            assert (trainer["numNodes"], trainer["numProcPerNode"]) == (int(nodes), int(gpus))
+            jobset = yaml.safe_load((project / "k8s" / "jobset.yaml").read_text())
+            job_spec = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+            (container,) = job_spec["template"]["spec"]["containers"]
+            assert job_spec["completions"] == int(nodes)
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == int(gpus)
+            env = {entry["name"]: entry.get("value") for entry in container["env"]}
+            assert (env["NNODES"], env["NPROC_PER_NODE"]) == (nodes, gpus)
+            assert env["MASTER_ADDR"] == f"{name}-node-0-0.{name}"

@@ -16,6 +16,7 @@ VALID = {
     "amp": "bf16",
     "slurm": "yes",
     "task": "language",
+    "kubernetes": "no",
 }
 
 
@@ -47,3 +48,19 @@ def test_bad_slurm_answer():
 
 def test_bad_task():
     assert hook.first_error({**VALID, "task": "audio"}) == "task 'audio' is not one of: language, vision, tabular"
+
+
+def test_bad_kubernetes_answer():
+    assert hook.first_error({**VALID, "kubernetes": "maybe"}) == "kubernetes 'maybe' is not one of: yes, no"
+
+
+@pytest.mark.parametrize("slug", ["a" * 41, "trailing_", "trailing-"])
+def test_kubernetes_needs_a_slug_that_names_kubernetes_objects(slug):
+    assert hook.first_error({**VALID, "project_slug": slug}) is None  # fine without k8s/
+    error = hook.first_error({**VALID, "project_slug": slug, "kubernetes": "yes"})
+    assert error.startswith(f"project_slug {slug!r} cannot name Kubernetes objects (kubernetes=yes)")
+
+
+def test_kubernetes_accepts_underscores_and_40_characters():
+    assert hook.first_error({**VALID, "project_slug": "my_project", "kubernetes": "yes"}) is None
+    assert hook.first_error({**VALID, "project_slug": "a" * 40, "kubernetes": "yes"}) is None

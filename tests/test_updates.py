@@ -57,15 +57,21 @@ def load_hook(name):
 def test_post_gen_hook_only_removes_listed_files_and_is_idempotent(tmp_path):
     hook = load_hook("post_gen_project")
     (tmp_path / "scripts").mkdir()
-    for name in ("scripts/slurm.sbatch", "scripts/launch.sh", "train.py"):
+    (tmp_path / "k8s").mkdir()
+    (tmp_path / "tests").mkdir()
+    names = ("scripts/slurm.sbatch", "scripts/launch.sh", "train.py", "k8s/jobset.yaml", "Dockerfile",
+             "tests/test_kubernetes.py", "tests/test_train.py")  # fmt: skip
+    for name in names:
         (tmp_path / name).write_text("x")
-    hook.remove_unwanted(tmp_path, {"slurm": "no"})
-    hook.remove_unwanted(tmp_path, {"slurm": "no"})  # again, as cruft does on every update
+    hook.remove_unwanted(tmp_path, {"slurm": "no", "kubernetes": "no"})
+    hook.remove_unwanted(tmp_path, {"slurm": "no", "kubernetes": "no"})  # again, as cruft does on every update
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == [
         "scripts/launch.sh",
+        "tests/test_train.py",
         "train.py",
     ]
-    hook.remove_unwanted(tmp_path, {"slurm": "yes"})
+    assert not (tmp_path / "k8s").exists()
+    hook.remove_unwanted(tmp_path, {"slurm": "yes", "kubernetes": "yes"})
     assert (tmp_path / "train.py").exists()
 
 

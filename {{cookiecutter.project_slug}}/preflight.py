@@ -1,7 +1,7 @@
 """Check a cluster before a long job: run it under the same launcher as training.
 
-    scripts/launch.sh --preflight [train.py flags]       # every node, as for training
-    torchrun --standalone --nproc_per_node=2 preflight.py
+    scripts/launch.sh --preflight [--json] [train.py flags]   # every node, as for training
+    torchrun --standalone --nproc_per_node=2 preflight.py [--json]
 
 Each process checks its place in the job, its GPUs and its network identity *before*
 joining the process group (a bad hostname makes gloo or NCCL hang, not fail). Then all
@@ -10,9 +10,20 @@ processes run a collective under a timeout and measure all-reduce bandwidth from
 gradients per step against the measured compute time of a step, so you see before the job
 whether more nodes will train faster. Train flags (--hidden_dim, --batch_size, ...) size the
 model as for training. Exit status: 0 all good, 1 a problem was found.
+
+The prediction: a few training steps are timed with and without the gradients' all-reduce;
+the synced step is the job's, and the difference is what communication costs as DDP runs it
+(bucketed, overlapped with backward, with the library's overheads: on CPU gloo these are a
+good part of it, more than the bytes on a fast link). One node all-reduces over its own links
+only (nothing, with one process per node). Each comm hook sends other bytes (bf16: half;
+powersgd: two thin matrices per weight matrix): its step differs by the all-reduce time of
+those bytes at the measured bandwidth, and the verdict names the hook that pays most when the
+configured one does not. `--json` prints all of it as one object on rank 0 (stdout; the
+per-rank lines go to stderr).
 """
 
 import ipaddress
+import json
 import math
 import os
 import socket
@@ -28,14 +39,20 @@ from ddp_utils import cleanup_distributed, pick_device, process_env, setup_distr
 from train import Trainer
 
 SIZES_MB = (1, 4, 16, 64, 256)
+# Sizes past one all-reduce this long are not measured: on a slow link 256 MB takes minutes,
+# and the larger sizes add nothing (the time per byte is already the link's).
+SIZE_STOP_SECONDS = 1.0
+COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
+POWERSGD_RANK = 1  # strategy.register_comm_hook's matrix_approximation_rank
+POWERSGD_MIN_COMPRESSION_RATE = 2  # PowerSGDState's default: smaller matrices go uncompressed
 
 
 class PreflightError(RuntimeError):
     pass
 
 
-def say(rank, message):
-    print(f"preflight [rank {rank}] {message}", flush=True)
+def say(rank, message, file=sys.stdout):
+    print(f"preflight [rank {rank}] {message}", file=file, flush=True)
 
 
 # --- local checks, before any collective -------------------------------------------------
@@ -147,22 +164,26 @@ def bus_bandwidth(algbw, world_size):
     return algbw * 2 * (world_size - 1) / world_size
 
 
-def measure_allreduce(ctx, sizes_mb, iterations=3):
-    """Rows of (size_mb, seconds per all-reduce, algbw GB/s, busbw GB/s), all ranks agreeing."""
+def measure_allreduce(ctx, sizes_mb, group=None, iterations=3):
+    """Rows of (size_mb, seconds per all-reduce, algbw GB/s, busbw GB/s) over `group` (default:
+    all processes), every rank agreeing; stops after the first size slower than SIZE_STOP_SECONDS."""
     rows = []
+    world_size = dist.get_world_size(group)
     for size_mb in sizes_mb:
         tensor = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32, device=ctx.device)
-        dist.all_reduce(tensor)  # warm-up: connections, buffers
+        dist.all_reduce(tensor, group=group)  # warm-up: connections, buffers
         synchronize(ctx)
         started = time.perf_counter()
         for _ in range(iterations):
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=group)
         synchronize(ctx)
         elapsed = torch.tensor((time.perf_counter() - started) / iterations, device=ctx.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace, for all
         seconds = elapsed.item()
         algbw = size_mb * 2**20 / seconds / 1e9
-        rows.append((size_mb, seconds, algbw, bus_bandwidth(algbw, ctx.world_size)))
+        rows.append((size_mb, seconds, algbw, bus_bandwidth(algbw, world_size)))
+        if seconds > SIZE_STOP_SECONDS:  # the same decision on every rank: `seconds` is agreed
+            break
     return rows
 
 
@@ -172,41 +193,132 @@ def synchronize(ctx):
 
 
 def allreduce_seconds(num_bytes, rows):
-    """Estimated all-reduce time for `num_bytes`, from the measured row of the nearest size."""
-    size_mb, seconds, _, _ = min(rows, key=lambda row: abs(math.log(row[0] * 2**20 / max(num_bytes, 1))))
+    """Estimated all-reduce time for `num_bytes`, from the measured row of the nearest size
+    (0 without rows: nothing to all-reduce with)."""
+    if not rows or not num_bytes:
+        return 0.0
+    size_mb, seconds, _, _ = min(rows, key=lambda row: abs(math.log(row[0] * 2**20 / num_bytes)))
     return seconds * num_bytes / (size_mb * 2**20)
 
 
-def step_compute_seconds(cfg, ctx, repeats=5, warmup=2):
-    """One optimizer step without communication, timed as train.py runs it: the same Trainer
-    (model, amp, TF32, compile), micro-batches of the training data under DDP's no_sync, and
-    the optimizer step. Returns (median seconds, bytes of gradients all-reduced per step)."""
+def gradient_bytes(parameters, hook):
+    """Bytes each process all-reduces per optimizer step for these gradients under `hook`."""
+    total = 0
+    for parameter in parameters:
+        size = parameter.element_size()
+        if hook in ("bf16", "fp16"):
+            total += 2 * parameter.numel()
+        elif hook == "powersgd" and parameter.dim() > 1:
+            # PowerSGD's rule (torch's _should_compress): an n x m matrix travels as P (n x r)
+            # and Q (m x r) when that is at least 2x smaller, otherwise whole.
+            rows = parameter.shape[0]
+            columns = parameter.numel() // rows
+            compressed = (rows + columns) * POWERSGD_RANK
+            whole = compressed * POWERSGD_MIN_COMPRESSION_RATE >= rows * columns
+            total += size * (rows * columns if whole else compressed)
+        else:
+            total += size * parameter.numel()
+    return total
+
+
+def step_seconds(cfg, ctx, repeats=5, warmup=2):
+    """One optimizer step timed as train.py runs it: the same Trainer (model, amp, TF32,
+    compile), micro-batches of the training data, the optimizer step; once with the gradients'
+    all-reduce skipped (DDP's no_sync: the compute alone) and once with it, as the job will run
+    (its overlap with backward, the buckets, the library's overheads included).
+
+    Returns (compute seconds, synced seconds, {comm hook: bytes all-reduced per step}): medians,
+    the slowest rank's, so every rank agrees.
+    """
     trainer = Trainer(cfg, ctx)
     try:
         inputs, targets = next(iter(trainer.train_loader))
-        timings = []
-        for _ in range(warmup + repeats):  # the first steps compile and tune kernels
-            synchronize(ctx)
-            started = time.perf_counter()
-            for _ in range(cfg.grad_accum_steps):
-                trainer._run_batch(inputs, targets, sync=False)
-            trainer.scaler.step(trainer.optimizer)
-            trainer.scaler.update()
-            trainer.optimizer.zero_grad(set_to_none=True)
-            synchronize(ctx)
-            timings.append(time.perf_counter() - started)
+        medians = []
+        for sync in (False, True):
+            timings = []
+            for _ in range(warmup + repeats):  # the first steps compile and tune kernels
+                synchronize(ctx)
+                started = time.perf_counter()
+                for micro_step in range(cfg.grad_accum_steps):
+                    trainer._run_batch(inputs, targets, sync=sync and micro_step == cfg.grad_accum_steps - 1)
+                trainer.scaler.step(trainer.optimizer)
+                trainer.scaler.update()
+                trainer.optimizer.zero_grad(set_to_none=True)
+                synchronize(ctx)
+                timings.append(time.perf_counter() - started)
+            medians.append(sorted(timings[warmup:])[repeats // 2])
+        slowest = torch.tensor(medians, dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         parameters = [p for p in trainer.model.parameters() if p.requires_grad]
-        gradient_bytes = sum(p.numel() * p.element_size() for p in parameters)
+        sent = {hook: gradient_bytes(parameters, hook) for hook in COMM_HOOKS}
     finally:
         trainer.close()
-    return sorted(timings[warmup:])[repeats // 2], gradient_bytes
+    compute, synced = slowest.tolist()
+    return compute, synced, sent
+
+
+def predict(compute_seconds, synced_seconds, sent, job_rows, node_rows, nodes, comm_hook):
+    """Step seconds of the whole job and of one node, for every comm hook; whether the job
+    trains faster than one node would, and which hook to try when another pays more.
+
+    The job's step with the configured hook is the synced step as measured. Another hook
+    sends other bytes: its step differs by the all-reduce time of the difference at the
+    measured bandwidth. One node all-reduces over its own links only: its step adds the
+    measured communication time scaled by how much faster those links are (nothing, with one
+    process per node).
+    """
+    communication = max(synced_seconds - compute_seconds, 0.0)  # what the all-reduce costs, overlap and all
+    configured = allreduce_seconds(sent[comm_hook], job_rows)
+    within_node = allreduce_seconds(sent[comm_hook], node_rows)
+    one_node = compute_seconds + (communication * within_node / configured if configured else 0.0)
+    by_hook = {}
+    for hook, num_bytes in sent.items():
+        job = max(synced_seconds + allreduce_seconds(num_bytes, job_rows) - configured, compute_seconds)
+        speedup = nodes * one_node / job  # throughput against one node's, the per-process batch the same
+        by_hook[hook] = {"gradient_bytes": num_bytes, "job_step_seconds": job, "speedup": speedup,
+                         "scaling_efficiency": speedup / nodes}  # fmt: skip
+    chosen = by_hook[comm_hook]
+    prediction = {
+        "comm_hook": comm_hook,
+        "compute_seconds": compute_seconds,
+        "gradient_bytes": sent[comm_hook],
+        "one_node_step_seconds": one_node,
+        "job_step_seconds": chosen["job_step_seconds"],
+        "predicted_speedup": chosen["speedup"],
+        "scaling_efficiency": chosen["scaling_efficiency"],
+        "multi_node_pays": chosen["speedup"] > 1 if nodes > 1 else None,
+        "by_comm_hook": by_hook,
+        "try_comm_hook": None,
+    }
+    best = max(by_hook, key=lambda hook: by_hook[hook]["speedup"])
+    # Worth a change only when it wins back a tenth or more of the job's throughput.
+    if nodes > 1 and best != comm_hook and by_hook[best]["speedup"] > 1.1 * chosen["speedup"]:
+        prediction["try_comm_hook"] = best
+    return prediction
+
+
+def hook_advice(prediction):
+    """One sentence on the scaling over nodes, and the comm hook to try if one pays more."""
+    nodes_line = (
+        f"one node's step ~{1000 * prediction['one_node_step_seconds']:.2f} ms, the job's "
+        f"~{1000 * prediction['job_step_seconds']:.2f} ms: predicted speedup over one node "
+        f"{prediction['predicted_speedup']:.2f}x ({'pays' if prediction['multi_node_pays'] else 'does NOT pay'})"
+    )
+    hook = prediction["try_comm_hook"]
+    if hook:
+        other = prediction["by_comm_hook"][hook]
+        nodes_line += (
+            f"; --comm_hook {hook} would send {other['gradient_bytes'] / 2**20:.1f} MB a step for a "
+            f"predicted {other['speedup']:.2f}x"
+        )
+    return nodes_line
 
 
 def verdict(comm_seconds, compute_seconds, world_size):
     ratio = comm_seconds / compute_seconds
     summary = (
-        f"per optimizer step: compute {1000 * compute_seconds:.2f} ms, gradient all-reduce "
-        f"~{1000 * comm_seconds:.2f} ms ({ratio:.2f}x compute)"
+        f"per optimizer step: compute {1000 * compute_seconds:.2f} ms, plus {1000 * comm_seconds:.2f} ms "
+        f"for the gradient all-reduce ({ratio:.2f}x compute)"
     )
     if world_size == 1:
         return summary + "; single process, nothing to all-reduce"
@@ -221,36 +333,63 @@ def verdict(comm_seconds, compute_seconds, world_size):
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv  # preflight's own flag; the rest are train.py's
+    argv = [arg for arg in argv if arg != "--json"]
     cfg = parse_config(argv)
     env = process_env()
     rank = env["RANK"]
+    lines = sys.stderr if as_json else sys.stdout  # --json: stdout holds the object alone
     try:
         for check in (check_place, check_gpus):
-            say(rank, check(env))
-        say(rank, check_network_identity())
+            say(rank, check(env), lines)
+        say(rank, check_network_identity(), lines)
     except PreflightError as problem:
-        say(rank, f"PROBLEM: {problem}")
+        say(rank, f"PROBLEM: {problem}", lines)
         return 1
     ctx = setup_distributed(cfg.timeout_seconds)
     try:
-        say(rank, check_collective(ctx))
+        say(rank, check_collective(ctx), lines)
         max_mb = int(os.environ.get("PREFLIGHT_MAX_MB", SIZES_MB[-1]))
-        rows = measure_allreduce(ctx, [size for size in SIZES_MB if size <= max_mb]) if ctx.world_size > 1 else []
-        compute_seconds, gradient_bytes = step_compute_seconds(cfg, ctx)
+        sizes = [size for size in SIZES_MB if size <= max_mb]
+        rows = measure_allreduce(ctx, sizes) if ctx.world_size > 1 else []
+        local_size = processes_per_node()
+        nodes = ctx.world_size // local_size
+        node_rows = []
+        if nodes > 1 and local_size > 1:  # one node alone all-reduces over its own links only
+            node_group, _ = dist.new_subgroups(group_size=local_size)
+            node_rows = measure_allreduce(ctx, sizes, group=node_group)
+        elif nodes == 1:
+            node_rows = rows
+        compute_seconds, synced_seconds, sent = step_seconds(cfg, ctx)
         if ctx.is_main:
-            print(f"\nall-reduce over {ctx.world_size} processes ({dist.get_backend()}):")
-            print(f"{'size':>8} {'time':>10} {'algbw':>11} {'busbw':>11}")
-            for size_mb, seconds, algbw, busbw in rows:
-                print(f"{size_mb:>5} MB {1000 * seconds:>7.2f} ms {algbw:>6.2f} GB/s {busbw:>6.2f} GB/s")
-            comm_seconds = allreduce_seconds(gradient_bytes, rows) if rows else 0.0
-            print(f"\nmodel: {gradient_bytes / 2**20:.1f} MB of gradients")
-            print(f"verdict: {verdict(comm_seconds, compute_seconds, ctx.world_size)}", flush=True)
+            prediction = predict(compute_seconds, synced_seconds, sent, rows, node_rows, nodes, cfg.comm_hook)
+            summary = verdict(max(synced_seconds - compute_seconds, 0.0), compute_seconds, ctx.world_size)
+            if as_json:
+                report = {"world_size": ctx.world_size, "nodes": nodes, "processes_per_node": local_size,
+                          "backend": dist.get_backend(), "allreduce": table(rows),
+                          "one_node_allreduce": table(node_rows), **prediction, "verdict": summary}  # fmt: skip
+                print(json.dumps(report), flush=True)
+            else:
+                print(f"\nall-reduce over {ctx.world_size} processes ({dist.get_backend()}):")
+                print(f"{'size':>8} {'time':>10} {'algbw':>11} {'busbw':>11}")
+                for size_mb, seconds, algbw, busbw in rows:
+                    print(f"{size_mb:>5} MB {1000 * seconds:>7.2f} ms {algbw:>6.2f} GB/s {busbw:>6.2f} GB/s")
+                print(f"\nmodel: {sent[cfg.comm_hook] / 2**20:.1f} MB of gradients")
+                print(f"verdict: {summary}")
+                if nodes > 1:
+                    print(f"nodes: {hook_advice(prediction)}", flush=True)
     except PreflightError as problem:
-        say(rank, f"PROBLEM: {problem}")
+        say(rank, f"PROBLEM: {problem}", lines)
         return 1
     finally:
         cleanup_distributed()
     return 0
+
+
+def table(rows):
+    return [{"size_bytes": size_mb * 2**20, "seconds": seconds, "algbw_gbps": algbw, "busbw_gbps": busbw}
+            for size_mb, seconds, algbw, busbw in rows]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@
 # torchrun restart all workers when one dies; they resume from the newest checkpoint.
 set -euo pipefail
 
-NNODES=${NNODES:-{{ cookiecutter.num_nodes }}}
-NPROC_PER_NODE=${NPROC_PER_NODE:-{{ cookiecutter.gpus_per_node }}}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-}
-MASTER_PORT=${MASTER_PORT:-29500}
+# On Kubernetes (k8s/): Kubeflow Trainer sets torchrun's own PET_* variables, and an indexed
+# Job (the JobSet variant) numbers its pods with JOB_COMPLETION_INDEX; the plain names win.
+NNODES=${NNODES:-${PET_NNODES:-{{ cookiecutter.num_nodes }}}}
+NPROC_PER_NODE=${NPROC_PER_NODE:-${PET_NPROC_PER_NODE:-{{ cookiecutter.gpus_per_node }}}}
+NODE_RANK=${NODE_RANK:-${PET_NODE_RANK:-${JOB_COMPLETION_INDEX:-0}}}
+MASTER_ADDR=${MASTER_ADDR:-${PET_MASTER_ADDR:-}}
+MASTER_PORT=${MASTER_PORT:-${PET_MASTER_PORT:-29500}}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-}
 RDZV_ID=${RDZV_ID:-ddp}
 RDZV_CONF=${RDZV_CONF:-}

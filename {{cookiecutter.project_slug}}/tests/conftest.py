@@ -89,6 +89,7 @@ def read_metrics(output_dir):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fixed_amp: sets --amp itself, so the project's default amp does not matter")
+    config.addinivalue_line("markers", "alone: times things; run with nothing else on the machine")
 
 
 def relative_difference(a, b):

@@ -12,6 +12,11 @@ Commands run inside with a hostname of their own (a UTS namespace), which the ho
 address, and the other host's hostname to the other's. The file system and process table are
 shared with the machine, so output folders in /tmp work as a shared file system.
 
+`limit_link("100mbit")` limits the link to that rate in each direction (a token bucket filter,
+`tc ... tbf`, on both ends; `limit_link(None)` lifts it). Only the rate: `netem`, which adds
+delay, is not available in this kernel. `aliases={"name": host}` adds names (a headless
+service's, say) that resolve to that host's link address on both hosts.
+
 `own_hostname_address={0: "127.0.1.1", 1: "127.0.1.1"}` makes each host's hostname resolve, on
 that host, to 127.0.1.1 instead (as Debian's /etc/hosts does), and gloo (without
 GLOO_SOCKET_IFNAME) then listens on loopback. Seen with torch 2.13 and 2 ranks: with both hosts
@@ -19,7 +24,7 @@ so, the rank that dials gets "Connection refused" and exits while its peer hangs
 connectFullMesh; with only one host so, training still works, because the rank whose address
 sorts higher (127.0.1.1 > 10.213.7.x) is the one that dials, so nobody dials the loopback one.
 
-Needs root, `ip` (iproute2) and `unshare` (util-linux); `unavailable_reason()` says why not.
+Needs root, `ip` and `tc` (iproute2) and `unshare` (util-linux); `unavailable_reason()` says why not.
 Namespace names carry the pid, so several test sessions can run at once. Teardown kills every
 process left in the namespaces, deletes them (which removes the veth pair) and their
 /etc/netns folders; namespaces left by a session that died are removed by the next one.
@@ -52,7 +57,7 @@ def unavailable_reason():
     """Why this machine cannot host the namespaces, or None when it (probably) can."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    missing = [tool for tool in ("ip", "unshare", "hostname") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "tc", "unshare", "hostname") if shutil.which(tool) is None]
     if missing:
         return f"missing {', '.join(missing)} (iproute2, util-linux)"
     return None
@@ -63,6 +68,24 @@ def _ip(*args, check=True):
     if check and result.returncode != 0:
         raise NetnsUnavailable(f"ip {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
     return result
+
+
+def _tc(namespace, *args, check=True):
+    result = subprocess.run(["tc", "-n", namespace, *args], capture_output=True, text=True, timeout=30)
+    if check and result.returncode != 0:
+        raise NetnsUnavailable(f"tc {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+    return result
+
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
+
+
+def rate_bits(rate):
+    """Bits per second of a tc rate such as "100mbit"."""
+    match = _RATE.match(rate)
+    if not match:
+        raise ValueError(f"link rate {rate!r}: expected a number and bit, kbit, mbit or gbit (e.g. 100mbit)")
+    return int(float(match.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[match.group(2)])
 
 
 def pid_alive(pid):
@@ -112,14 +135,16 @@ def remove_stale_namespaces():
 class TwoHosts:
     """Context manager: two network namespaces ("hosts") joined by one veth pair."""
 
-    def __init__(self, own_hostname_address=None):
-        """`own_hostname_address`: {host index: address its own hostname resolves to there}."""
+    def __init__(self, own_hostname_address=None, aliases=None):
+        """`own_hostname_address`: {host index: address its own hostname resolves to there};
+        `aliases`: {extra name: host index}."""
         instance = next(_instances)
         self.namespaces = tuple(f"ddpt-{os.getpid()}-{instance}-{host}" for host in (0, 1))
         self.hostnames = HOSTNAMES
         self.addresses = ADDRESSES
         self.ifname = IFNAME
         self.own_hostname_address = dict(own_hostname_address or {})
+        self.aliases = dict(aliases or {})
         self._processes = []
 
     def __enter__(self):
@@ -178,6 +203,7 @@ class TwoHosts:
             if other == host:
                 address = self.own_hostname_address.get(host, address)
             lines.append(f"{address}\t{self.hostnames[other]}")
+        lines += [f"{ADDRESSES[target]}\t{name}" for name, target in self.aliases.items()]
         return "\n".join(lines) + "\n"
 
     def teardown(self):
@@ -200,6 +226,18 @@ class TwoHosts:
             NETNS_ETC.rmdir()  # only when no other session still uses it
         except OSError:
             pass
+
+    def limit_link(self, rate):
+        """Limit the link to `rate` each way (tc units: "1gbit", "100mbit", "20mbit"); None: no limit."""
+        for namespace in self.namespaces:
+            if rate is None:
+                _tc(namespace, "qdisc", "del", "dev", IFNAME, "root", check=False)  # none set: fine
+                continue
+            # The bucket holds 10 ms of traffic (at least 64 KiB): the kernel refills it once a
+            # tick, and a bucket smaller than a tick's worth would cap the rate below `rate`.
+            burst = max(64 * 1024, rate_bits(rate) // 8 // 100)
+            _tc(namespace, "qdisc", "replace", "dev", IFNAME, "root", "tbf", "rate", rate, "burst", str(burst),
+                "latency", "100ms")  # fmt: skip
 
     def kill_host(self, host):
         """SIGKILL every process on `host`, as if the machine had gone (the link stays up)."""

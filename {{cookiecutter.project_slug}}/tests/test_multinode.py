@@ -9,14 +9,15 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import netns
+import nodes
 import pytest
 import torch
-from conftest import LR, PROJECT, TINY, kill_tree, load_final_model, read_metrics, run_training, training_env
+from conftest import LR, PROJECT, TINY, load_final_model, read_metrics, run_training
+from nodes import LAUNCH, PORT, TIMEOUT, describe, launch_env, run_nodes, start_here, start_on
 
 import train
 from config import Config
@@ -24,9 +25,6 @@ from config import Config
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
 ARGS = ["--amp", "none"]
-LAUNCH = str(PROJECT / "scripts" / "launch.sh")
-TIMEOUT = 150  # seconds for a whole multi-node run; a hang fails the test instead of blocking CI
-PORT = 29400  # inside fresh namespaces every port is free
 
 
 @pytest.fixture(scope="module")
@@ -37,46 +35,8 @@ def reference(tmp_path_factory):
     return output_dir
 
 
-def launch_env(**variables):
-    """launch.sh's settings (nothing inherited from the caller), torchrun from this interpreter."""
-    settings = {"MASTER_ADDR": "", "MASTER_PORT": "29500", "RDZV_ENDPOINT": "", "NODE_RANK": "0"}
-    settings |= {"MAX_RESTARTS": "0", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    return training_env({**settings, **{name: str(value) for name, value in variables.items()}})
-
-
 def launch_command(output_dir):
     return [LAUNCH, *TINY, *ARGS, "--output_dir", str(output_dir)]
-
-
-def run_nodes(start, envs, output_dir, logs_dir):
-    """Start launch.sh once per node env with `start(node, command, env, log)`; wait for all to succeed.
-
-    Every node writes to the same `output_dir` (only global rank 0 writes). Fails, after killing
-    the rest, as soon as one node fails or when TIMEOUT passes; returns the nodes' output.
-    """
-    logs = [Path(logs_dir) / f"node{node}.log" for node in range(len(envs))]
-    processes = []
-    try:
-        for node, env in enumerate(envs):
-            with open(logs[node], "w") as log:
-                processes.append(start(node, launch_command(output_dir), env, log))
-        deadline = time.monotonic() + TIMEOUT
-        while any(p.poll() is None for p in processes):
-            failed = [p for p in processes if p.poll() not in (None, 0)]
-            assert not failed and time.monotonic() < deadline, describe(processes, logs)
-            time.sleep(0.2)
-        assert all(p.returncode == 0 for p in processes), describe(processes, logs)
-    finally:
-        for process in processes:
-            kill_tree(process.pid)  # the node's torchrun and its workers (in sessions of their own)
-            process.wait()
-    return [log.read_text() for log in logs]
-
-
-def describe(processes, logs):
-    states = ["running" if p.poll() is None else f"exit {p.returncode}" for p in processes]
-    parts = [f"--- node {node} ({state}):\n{log.read_text()}" for node, (state, log) in enumerate(zip(states, logs))]
-    return "\n".join(parts)
 
 
 def assert_same_as(reference, output_dir):
@@ -84,10 +44,6 @@ def assert_same_as(reference, output_dir):
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from one node"
     assert [m["epoch"] for m in read_metrics(output_dir)] == [m["epoch"] for m in read_metrics(reference)]
-
-
-def start_here(node, command, env, log):
-    return subprocess.Popen(command, cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def free_port():
@@ -100,7 +56,7 @@ def test_two_launches_on_this_machine_equal_one_node(reference, tmp_path):
     port = free_port()
     common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     envs = [launch_env(**common, NODE_RANK=rank) for rank in (0, 1)]
-    output = run_nodes(start_here, envs, tmp_path / "run", tmp_path)
+    output = run_nodes(start_here, envs, launch_command(tmp_path / "run"), tmp_path)
     assert f"static rendezvous at 127.0.0.1:{port}, node 1" in output[1]
     assert_same_as(reference, tmp_path / "run")
 
@@ -110,25 +66,11 @@ def test_two_launches_on_this_machine_equal_one_node(reference, tmp_path):
 
 @pytest.fixture
 def hosts():
-    reason = netns.unavailable_reason()
-    if reason:
-        pytest.skip(f"two hosts need network namespaces: {reason}")
-    two_hosts = netns.TwoHosts()
-    try:
-        two_hosts.setup()
-    except netns.NetnsUnavailable as error:
-        pytest.skip(f"cannot create network namespaces here: {error}")
+    two_hosts = nodes.two_hosts()
     try:
         yield two_hosts
     finally:
         two_hosts.teardown()
-
-
-def start_on(hosts):
-    def start(node, command, env, log):
-        return hosts.popen(node, command, env=env, cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT)
-
-    return start
 
 
 def test_the_hosts_have_their_own_name_and_address_and_are_removed_afterwards(tmp_path):
@@ -157,7 +99,7 @@ def test_static_rendezvous_across_two_hosts_equals_one_node(reference, hosts, tm
     """MASTER_ADDR is node 0's link address; gloo finds the link from each node's hostname."""
     common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": PORT}
     envs = [launch_env(**common, NODE_RANK=rank) for rank in (0, 1)]
-    output = run_nodes(start_on(hosts), envs, tmp_path / "run", tmp_path)
+    output = run_nodes(start_on(hosts), envs, launch_command(tmp_path / "run"), tmp_path)
     assert f"static rendezvous at {hosts.addresses[0]}:{PORT}, node 1" in output[1]
     assert_same_as(reference, tmp_path / "run")
 
@@ -167,7 +109,7 @@ def test_elastic_rendezvous_across_two_hosts_equals_one_node(reference, hosts, t
     endpoint = f"{hosts.addresses[0]}:{PORT}"
     env = launch_env(NNODES="2:2", NPROC_PER_NODE=1, RDZV_ENDPOINT=endpoint, RDZV_ID=f"test{os.getpid()}")
     env["GLOO_SOCKET_IFNAME"] = hosts.ifname
-    output = run_nodes(start_on(hosts), [env, env], tmp_path / "run", tmp_path)
+    output = run_nodes(start_on(hosts), [env, env], launch_command(tmp_path / "run"), tmp_path)
     assert f"c10d rendezvous at {endpoint}" in output[1]
     assert_same_as(reference, tmp_path / "run")
 
