@@ -113,13 +113,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--samples", type=int, default=None, help="samples (windows) per epoch")
     parser.add_argument("--epochs", type=int, default=None)
-    parser.add_argument("--tiny", action="store_true", help="one round on 1024 samples, to check the script works")
+    parser.add_argument("--tiny", action="store_true", help="one round on 256 samples, to check the script works")
     parser.add_argument("--markdown", type=Path, help="also write the report to this file")
     args = parser.parse_args()
     args.samples = args.samples or {"tabular": 16384, "language": 4096}[args.task]
     args.epochs = args.epochs or {"tabular": 2, "language": 1}[args.task]
     if args.tiny:
-        args.rounds, args.samples, args.epochs = 1, 1024, 1
+        args.rounds, args.samples, args.epochs = 1, 256, 1
 
     work = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
     project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work), extra_context={"task": args.task}))

@@ -265,7 +265,9 @@ def predict(compute_seconds, synced_seconds, sent, job_rows, node_rows, nodes, c
     sends other bytes: its step differs by the all-reduce time of the difference at the
     measured bandwidth. One node all-reduces over its own links only: its step adds the
     measured communication time scaled by how much faster those links are (nothing, with one
-    process per node).
+    process per node). Communication outside the gradient all-reduce (SyncBatchNorm's
+    statistics, in forward) runs in both timed passes, so it counts as compute, also for one
+    node: with sync batch norm over a slow link, one node's step is predicted too slow.
     """
     communication = max(synced_seconds - compute_seconds, 0.0)  # what the all-reduce costs, overlap and all
     configured = allreduce_seconds(sent[comm_hook], job_rows)

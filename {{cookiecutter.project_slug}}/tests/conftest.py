@@ -105,6 +105,14 @@ def load_final_model(output_dir):
 
 
 @pytest.fixture(scope="session")
+def one_node_run(tmp_path_factory):
+    """One node, 2 processes, --amp none: what multi-node and Kubernetes runs must reproduce bit for bit."""
+    output_dir = tmp_path_factory.mktemp("one_node")
+    run_training(output_dir, "--amp", "none", nproc=2)
+    return output_dir
+
+
+@pytest.fixture(scope="session")
 def two_process_run(tmp_path_factory):
     """One 2-process gloo run shared by the tests that only inspect its outputs."""
     output_dir = tmp_path_factory.mktemp("two_process_run")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import netns
 import pytest
-from conftest import PROJECT, TINY, kill_tree, read_metrics, training_env
+import torch
+from conftest import PROJECT, TINY, kill_tree, load_final_model, read_metrics, training_env
 
 LAUNCH = str(PROJECT / "scripts" / "launch.sh")
 TIMEOUT = 150  # seconds for a whole multi-node run; a hang fails the test instead of blocking CI
@@ -48,6 +49,14 @@ def run_nodes(start, envs, command, logs_dir, timeout=TIMEOUT):
             kill_tree(process.pid)  # the node's torchrun and its workers (in sessions of their own)
             process.wait()
     return [log.read_text() for log in logs]
+
+
+def assert_same_as(reference, output_dir):
+    """The same parameters, bit for bit, and the same epochs logged."""
+    ours, theirs = load_final_model(output_dir), load_final_model(reference)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from one node"
+    assert [m["epoch"] for m in read_metrics(output_dir)] == [m["epoch"] for m in read_metrics(reference)]
 
 
 def describe(processes, logs):

@@ -16,7 +16,7 @@ import nodes
 import pytest
 import torch
 import yaml
-from conftest import PROJECT, TINY, load_final_model, run_training, training_env
+from conftest import PROJECT, TINY, training_env
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
@@ -98,14 +98,6 @@ def test_dockerfile_has_a_cuda_base_the_pinned_torch_and_the_project():
 # --- the container command under each controller's environment, on two hosts -------------
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One node, 2 processes: what both controllers' jobs must reproduce bit for bit."""
-    output_dir = tmp_path_factory.mktemp("reference")
-    run_training(output_dir, *ARGS, nproc=2)
-    return output_dir
-
-
 def pod_env(injected):
     """The container's environment: none of launch.sh's settings (they would win over what
     the controller injects), then what the pod gets."""
@@ -123,13 +115,7 @@ def run_pods(command, envs, master_name, output_dir, logs_dir):
         hosts.teardown()
 
 
-def assert_same_as(reference, output_dir):
-    ours, theirs = load_final_model(output_dir), load_final_model(reference)
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from one node"
-
-
-def test_trainjob_command_under_kubeflow_trainer_environment_equals_one_node(reference, tmp_path):
+def test_trainjob_command_under_kubeflow_trainer_environment_equals_one_node(one_node_run, tmp_path):
     job = trainjob()
     trainer, name = job["spec"]["trainer"], job["metadata"]["name"]
     master = f"{name}-node-0-0.{name}"  # the torch plugin's PET_MASTER_ADDR: node 0's pod
@@ -137,10 +123,10 @@ def test_trainjob_command_under_kubeflow_trainer_environment_equals_one_node(ref
     envs = [pod_env({**env_values(trainer["env"]), **injected, "PET_NODE_RANK": rank}) for rank in (0, 1)]
     output = run_pods([*trainer["command"], *trainer["args"]], envs, master, tmp_path / "run", tmp_path)
     assert f"static rendezvous at {master}:{nodes.PORT}, node 1" in output[1]
-    assert_same_as(reference, tmp_path / "run")
+    nodes.assert_same_as(one_node_run, tmp_path / "run")
 
 
-def test_jobset_command_under_indexed_job_environment_equals_one_node(reference, tmp_path):
+def test_jobset_command_under_indexed_job_environment_equals_one_node(one_node_run, tmp_path):
     _, pod = jobset_container()
     (container,) = pod["containers"]
     # This rig's job: 2 nodes of 1 process (the manifest asks for the generated counts of GPUs).
@@ -149,4 +135,4 @@ def test_jobset_command_under_indexed_job_environment_equals_one_node(reference,
     master, port = own["MASTER_ADDR"], own["MASTER_PORT"]
     output = run_pods([*container["command"], *container["args"]], envs, master, tmp_path / "run", tmp_path)
     assert f"static rendezvous at {master}:{port}, node 1" in output[1]
-    assert_same_as(reference, tmp_path / "run")
+    nodes.assert_same_as(one_node_run, tmp_path / "run")

@@ -16,8 +16,8 @@ import netns
 import nodes
 import pytest
 import torch
-from conftest import LR, PROJECT, TINY, load_final_model, read_metrics, run_training
-from nodes import LAUNCH, PORT, TIMEOUT, describe, launch_env, run_nodes, start_here, start_on
+from conftest import LR, PROJECT, TINY, read_metrics
+from nodes import LAUNCH, PORT, TIMEOUT, assert_same_as, describe, launch_env, run_nodes, start_here, start_on
 
 import train
 from config import Config
@@ -27,23 +27,8 @@ pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 ARGS = ["--amp", "none"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One node, 2 processes: what every multi-node run must reproduce bit for bit."""
-    output_dir = tmp_path_factory.mktemp("reference")
-    run_training(output_dir, *ARGS, nproc=2)
-    return output_dir
-
-
 def launch_command(output_dir):
     return [LAUNCH, *TINY, *ARGS, "--output_dir", str(output_dir)]
-
-
-def assert_same_as(reference, output_dir):
-    ours, theirs = load_final_model(output_dir), load_final_model(reference)
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from one node"
-    assert [m["epoch"] for m in read_metrics(output_dir)] == [m["epoch"] for m in read_metrics(reference)]
 
 
 def free_port():
@@ -52,13 +37,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_launches_on_this_machine_equal_one_node(reference, tmp_path):
+def test_two_launches_on_this_machine_equal_one_node(one_node_run, tmp_path):
     port = free_port()
     common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     envs = [launch_env(**common, NODE_RANK=rank) for rank in (0, 1)]
     output = run_nodes(start_here, envs, launch_command(tmp_path / "run"), tmp_path)
     assert f"static rendezvous at 127.0.0.1:{port}, node 1" in output[1]
-    assert_same_as(reference, tmp_path / "run")
+    assert_same_as(one_node_run, tmp_path / "run")
 
 
 # --- two hosts: network namespaces -------------------------------------------------------
@@ -95,23 +80,23 @@ def test_the_hosts_have_their_own_name_and_address_and_are_removed_afterwards(tm
         assert not (netns.NETNS_RUN / namespace).exists() and not (netns.NETNS_ETC / namespace).exists()
 
 
-def test_static_rendezvous_across_two_hosts_equals_one_node(reference, hosts, tmp_path):
+def test_static_rendezvous_across_two_hosts_equals_one_node(one_node_run, hosts, tmp_path):
     """MASTER_ADDR is node 0's link address; gloo finds the link from each node's hostname."""
     common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": PORT}
     envs = [launch_env(**common, NODE_RANK=rank) for rank in (0, 1)]
     output = run_nodes(start_on(hosts), envs, launch_command(tmp_path / "run"), tmp_path)
     assert f"static rendezvous at {hosts.addresses[0]}:{PORT}, node 1" in output[1]
-    assert_same_as(reference, tmp_path / "run")
+    assert_same_as(one_node_run, tmp_path / "run")
 
 
-def test_elastic_rendezvous_across_two_hosts_equals_one_node(reference, hosts, tmp_path):
+def test_elastic_rendezvous_across_two_hosts_equals_one_node(one_node_run, hosts, tmp_path):
     """c10d rendezvous on node 0 with NNODES=MIN:MAX; GLOO_SOCKET_IFNAME names the same link on both."""
     endpoint = f"{hosts.addresses[0]}:{PORT}"
     env = launch_env(NNODES="2:2", NPROC_PER_NODE=1, RDZV_ENDPOINT=endpoint, RDZV_ID=f"test{os.getpid()}")
     env["GLOO_SOCKET_IFNAME"] = hosts.ifname
     output = run_nodes(start_on(hosts), [env, env], launch_command(tmp_path / "run"), tmp_path)
     assert f"c10d rendezvous at {endpoint}" in output[1]
-    assert_same_as(reference, tmp_path / "run")
+    assert_same_as(one_node_run, tmp_path / "run")
 
 
 # --- elastic membership changes: a host joins, a host is lost ----------------------------

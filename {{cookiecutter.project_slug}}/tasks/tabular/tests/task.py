@@ -18,6 +18,11 @@ CONTRACT_FIELDS = ("train_samples", "val_samples", "input_dim", "hidden_dim", "n
 # Options every --strategy fsdp run of the shared tests adds: none for this model.
 FSDP_ARGS = []
 
+# The network tests' model (test_network.py): 0.43M parameters, 1.7 MB of fp32 gradients a
+# step, which a 20 Mbit/s link needs ~0.7 s to all-reduce; a batch large enough for the
+# compute (not the loop's own overhead) to set the step time at full link speed.
+NETWORK_ARGS = ["--hidden_dim", "640", "--batch_size", "1024", "--train_samples", "32768"]
+
 # Extra arguments of the world-size equivalence runs (test_correctness.py): none.
 EQUIVALENCE_ARGS = []
 

@@ -22,6 +22,12 @@ CONTRACT_FIELDS += ("sync_batchnorm", "channels_last")
 # Options every --strategy fsdp run of the shared tests adds: none for this model.
 FSDP_ARGS = []
 
+# The network tests' model (test_network.py): a ResNet of 0.7M parameters, 2.8 MB of fp32
+# gradients a step, which a 20 Mbit/s link needs over 1 s to all-reduce. Without sync batch
+# norm: its statistics' all-reduces run in forward, so the preflight counts them as compute,
+# and on one host (a group of one) they do not happen at all.
+NETWORK_ARGS = ["--width", "32", "--depth", "2", "--batch_size", "16", "--sync_batchnorm", "false"]
+
 # The world-size equivalence runs (test_correctness.py) stop after 4 steps: later this ResNet's
 # training amplifies float rounding (AdamW turns noise in near-zero BatchNorm bias gradients
 # into whole steps). Measured, 1 x 64 against 2 x 32: within 4e-6 after 4 steps for seeds 0-2,
