@@ -12,7 +12,7 @@ cd "$project"
 export PATH="$OLDPWD/.venv/bin:$PATH" OMP_NUM_THREADS=1
 python prepare_data.py
 echo "rendered $project; training a small GPT with 2 processes on CPU (gloo)"
-NNODES=1 NPROC_PER_NODE=2 scripts/launch.sh --amp none --block_size 64 --n_layer 2 --n_head 4 --n_embd 128 \
-    --batch_size 16 --lr 0.003 --max_steps 600 --eval_every_steps 200 --log_every_steps 100
+# The project's quick CPU experiment (experiments/quick_cpu.toml: 600 steps of a 2-layer GPT).
+NNODES=1 NPROC_PER_NODE=2 scripts/launch.sh --config experiments/quick_cpu.toml
 echo "a sample from the trained model:"
-python sample.py --checkpoint runs/default/checkpoints/last.pt --prompt "def " --max_new_tokens 300 --seed 0
+python sample.py --checkpoint runs/quick_cpu/checkpoints/last.pt --prompt "def " --max_new_tokens 300 --seed 0

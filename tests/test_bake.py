@@ -151,6 +151,7 @@ def test_default_project_suite(default_project, module):
 # exercises train.py, which is the same for every task: the default bake runs them.)
 TASK_TESTS = [
     "tests/test_task.py",
+    "tests/test_experiments.py::test_example_experiments_are_valid_configs",
     "tests/test_correctness.py::test_world_size_and_accumulation_give_the_same_parameters",
     "tests/test_preemption.py::test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact",
 ]

@@ -2,17 +2,28 @@
 (ModelConfig in model.py) and the data's (DataConfig in dataset.py), which live next to the
 code they configure.
 
-Edit the defaults there, or override any field on the command line:
+Edit the defaults there, keep an experiment's settings in a TOML file, or override any field
+on the command line; the last wins (defaults, then the file, then the flags):
 
-    python train.py --epochs 3 --lr 0.001 --amp none
+    python train.py --config experiments/quick_cpu.toml --lr 0.001
 
-`python train.py --help` lists every field. Field names are a stable contract: scripts,
-sweeps and the checkpoint's saved config refer to them by name.
+`python train.py --help` lists every field. Field names are a stable contract: config files,
+scripts, sweeps and the checkpoint's saved config refer to them by name. Each run writes its
+resolved config to output_dir/config.toml, which reproduces it.
 """
 
 import argparse
 import dataclasses
+import difflib
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 from dataset import DataConfig
 from knobs import ConfigError, OneLineParser, exit_with_error, knob
@@ -76,7 +87,15 @@ class Config(ModelConfig, DataConfig):
     keep_checkpoints: int = knob(3, "newest step checkpoints kept besides last.pt")
     log_every_steps: int = knob(50, "log the training loss every N optimizer steps, 0 = off")
     progress_bar: bool = knob(True, "tqdm progress bar on rank 0 when stdout is a terminal")
-    tensorboard: bool = knob(False, "also log to output_dir/tensorboard (needs the tensorboard package)")
+    tracker: str = knob(
+        "none",
+        "where metrics also go, from rank 0: none, tensorboard (output_dir/tensorboard), wandb, mlflow, "
+        "or a comma list such as tensorboard,wandb (README: Experiment trackers)",
+    )
+    tracker_project: str = knob({{ cookiecutter.project_slug | tojson }}, "W&B project and MLflow experiment of the run")
+    profile_steps: str = knob(
+        "", "record optimizer steps A:B (e.g. 10:12) on rank 0 with torch.profiler into output_dir/profile/, '' = off"
+    )
     peak_tflops: float = knob(0.0, "peak TFLOPS of one GPU for the MFU estimate, 0 = look up the GPU")
 
     # Distributed
@@ -118,6 +137,10 @@ class Config(ModelConfig, DataConfig):
             raise ConfigError("min_lr_ratio", "must be between 0 and 1")
         if not self.output_dir:
             raise ConfigError("output_dir", "must not be empty")
+        trackers = self.tracker.split(",")
+        if any(name not in TRACKERS for name in trackers) or ("none" in trackers and len(trackers) > 1):
+            raise ConfigError("tracker", f"must be none, or one or more of {', '.join(TRACKERS[1:])} joined by commas")
+        self.profile_range()  # a bad range is refused now, not at step A
         if self.static_graph and self.grad_accum_steps > 1:
             # DDP's static graph expects an all-reduce after every backward; no_sync() breaks that
             # (an internal assert, or with PyTorch's patch, gradients that silently stop syncing).
@@ -138,12 +161,49 @@ class Config(ModelConfig, DataConfig):
         self.check_model()
         self.check_data()
 
+    @property
+    def trackers(self):
+        """The trackers asked for, in order: () for none."""
+        return tuple(dict.fromkeys(name for name in self.tracker.split(",") if name != "none"))
+
+    def profile_range(self):
+        """(first, last) optimizer step to profile, or None."""
+        if not self.profile_steps:
+            return None
+        first, _, last = self.profile_steps.partition(":")
+        if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+            raise ConfigError("profile_steps", "must be A:B with 1 <= A <= B, such as 10:12, or '' for off")
+        return int(first), int(last)
+
     def resolved(self):
         """This config with the values read from the data filled in (e.g. a vocabulary size of 0)."""
         return dataclasses.replace(self, **self.resolve_data(), **self.resolve_model())
 
     def to_dict(self):
         return dataclasses.asdict(self)
+
+    def to_toml(self):
+        """The config as a TOML file that `--config` reads back to this same config."""
+        lines = [
+            "# The resolved config of a run: config.py's defaults, then --config, then the flags.",
+            "# Rerun it from scratch with: torchrun ... train.py --config <this file> --output_dir <a new folder>",
+        ]
+        lines += [f"{name} = {toml_value(value)}" for name, value in self.to_dict().items()]
+        return "\n".join(lines) + "\n"
+
+
+TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
+# Fields that are gone, and what replaced them: named in the error for a flag or a file key.
+RENAMED = {"tensorboard": "was replaced by --tracker tensorboard"}
+
+
+def toml_value(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # 1e-05, inf and nan are TOML too
+    # A TOML basic string is a JSON string, except that DEL must be escaped as well.
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _parse_bool(text):
@@ -160,6 +220,13 @@ def build_parser():
         description="Train a model with PyTorch DDP. Every Config field is a flag.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="a TOML file of Config fields (flat, or in sections) over the defaults; flags win over it",
+    )
+    for name, replacement in RENAMED.items():
+        parser.add_argument(f"--{name}", help=argparse.SUPPRESS, action=Refuse, nargs="?", problem=replacement)
     for f in dataclasses.fields(Config):
         parser.add_argument(
             f"--{f.name}",
@@ -172,12 +239,82 @@ def build_parser():
     return parser
 
 
-def parse_config(argv=None, resolve=True):
-    """Build the Config from the defaults above and `--field value` overrides; with `resolve`,
-    fill in what comes from the data (e.g. a vocabulary size of 0)."""
-    args = build_parser().parse_args(argv)
+class Refuse(argparse.Action):
+    """A flag that is gone: one line saying what replaced it."""
+
+    def __init__(self, *args, problem, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.problem = problem
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} {self.problem}")
+
+
+def read_config_file(path):
+    """The fields a TOML file sets, type-checked; exits with one line naming the file (and the
+    key) for a file that cannot be read or parsed, an unknown key or a value of the wrong type."""
     try:
-        cfg = Config(**vars(args))
+        with open(path, "rb") as f:
+            document = tomllib.load(f)
+    except OSError as error:
+        exit_with_error(f"--config {path}: cannot read it: {error.strerror or error}")
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        exit_with_error(f"--config {path}: not valid TOML: {error}")
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    values, where = {}, {}
+    for key, value in document.items():
+        # A section ([optimisation], say) only groups fields: its keys are field names.
+        if isinstance(value, dict) and key not in fields:
+            entries = [(f"{key}.{name}", name, item) for name, item in value.items()]
+        else:
+            entries = [(key, key, value)]
+        for place, name, item in entries:
+            if name in RENAMED:
+                exit_with_error(f"--config {path}: key {place} {RENAMED[name]}")
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else " (keys are Config fields: train.py --help)"
+                exit_with_error(f"--config {path}: unknown key {place}{hint}")
+            if name in values:
+                exit_with_error(f"--config {path}: key {place} is set twice (also as {where[name]})")
+            values[name], where[name] = checked_value(path, place, item, fields[name].type), place
+    return values
+
+
+def checked_value(path, place, value, wanted):
+    """`value` as the field's type, or exit naming the key: TOML's own types, no conversions
+    but an integer where a float is wanted."""
+    if wanted is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, wanted) and not (wanted is int and isinstance(value, bool)):
+        return value
+    kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string in quotes"}
+    exit_with_error(f"--config {path}: key {place} must be {kinds[wanted]}, not {value!r} ({type(value).__name__})")
+
+
+def parse_config(argv=None, resolve=True):
+    """Build the Config from the defaults above, then `--config FILE.toml`, then `--field value`
+    flags; with `resolve`, fill in what comes from the data (e.g. a vocabulary size of 0)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from_file = {}
+    if args.config:
+        from_file = read_config_file(args.config)
+        parser.set_defaults(**from_file)
+        args = parser.parse_args(argv)  # again: the flags win over the file
+    values = {name: value for name, value in vars(args).items() if name != "config" and name not in RENAMED}
+    try:
+        cfg = Config(**values)
         return cfg.resolved() if resolve else cfg
     except ConfigError as error:
+        if error.field in from_file and from_file[error.field] == values[error.field]:
+            exit_with_error(f"--config {args.config}: key {error.field} {error.problem}")
         exit_with_error(str(error))
+
+
+def write_resolved_config(cfg, output_dir):
+    """output_dir/config.toml: this run's whole config, written whole or not at all."""
+    path = Path(output_dir) / "config.toml"
+    partial = path.with_name(f".config.toml.{os.getpid()}")
+    partial.write_text(cfg.to_toml())
+    partial.replace(path)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from config import Config
+from config import RENAMED, Config
 from ddp_utils import CheckpointError, load_checkpoint, load_sharded_checkpoint, rank_zero_only
 from knobs import ConfigError, exit_with_error
 from model import build_model
@@ -28,7 +28,8 @@ def consolidated(path):
     if "model" in state:
         return {"model": state["model"], "config": state["config"]}
     try:
-        cfg = Config(**state["config"])
+        # Fields since removed (RENAMED) are left out: an older run's checkpoint still exports.
+        cfg = Config(**{name: value for name, value in state["config"].items() if name not in RENAMED})
     except (TypeError, ConfigError) as error:
         raise CheckpointError(f"checkpoint {path} holds a config this project does not accept: {error}") from None
     with torch.device("meta"):

@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
     def __init__(self, name, problem):
         super().__init__(f"--{name} {problem}")
-        self.field = name
+        self.field, self.problem = name, problem
 
 
 class OneLineParser(argparse.ArgumentParser):

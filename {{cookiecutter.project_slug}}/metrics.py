@@ -1,9 +1,10 @@
-"""What a run reports, on global rank 0 only: metrics.jsonl, TensorBoard, a progress bar, MFU.
+"""What a run reports, on global rank 0 only: metrics.jsonl, the trackers, a progress bar, MFU.
 
 Nothing here calls a collective: the Trainer reduces the numbers first, then hands them over.
 """
 
 import json
+import logging
 import resource
 import sys
 from pathlib import Path
@@ -13,6 +14,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ddp_utils import rank_zero_only
 from model import build_model
+from trackers import open_trackers
+
+log = logging.getLogger("train")
 
 # Dense peak TFLOPS of one GPU from the vendors' data sheets: bf16/fp16 tensor cores, TF32
 # tensor cores, and plain FP32 (amp none with --tf32 false). Matched in order by substring of
@@ -103,41 +107,55 @@ def format_metrics(metrics):
 
 
 class Reporter:
-    """Writes metrics.jsonl (always), TensorBoard events (optional) and a progress bar (on a TTY).
+    """Writes metrics.jsonl (always), the trackers' runs (--tracker: trackers.py) and a
+    progress bar (on a TTY).
 
     Every method is a no-op on ranks other than 0.
     """
 
     def __init__(self, ctx, cfg, output_dir):
         self.is_main = ctx.is_main
+        self.output_dir = output_dir
         self.metrics_path = output_dir / "metrics.jsonl"
-        self.tensorboard = None
+        self.trackers = {}
         self.bar = None
         # A bar only for a person watching: not in CI logs, files or other ranks' output.
         self.progress = cfg.progress_bar and ctx.is_main and sys.stdout.isatty()
-        if cfg.tensorboard:
-            # Imported on every rank, so a missing package stops all of them alike.
-            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-            if ctx.is_main:
-                self.tensorboard = SummaryWriter(output_dir / "tensorboard")
+    @rank_zero_only
+    def open_trackers(self, cfg, resumed_step):
+        """Start (or, resuming, continue) the trackers' runs; returns an error, or None."""
+        try:
+            self.trackers = open_trackers(cfg, self.output_dir, resumed_step)
+        except Exception as error:  # a tracker's own failure (login, server): one line, every rank stops
+            return f"--tracker: could not start the runs: {type(error).__name__}: {error}"
+        return None
+
+    def _track(self, metrics, step):
+        """Send numbers to every tracker. One that fails is dropped with a warning: only rank 0
+        is here, so an exception would leave the other ranks waiting in the next collective."""
+        for name, tracker in list(self.trackers.items()):
+            try:
+                tracker.log(metrics, step)
+            except Exception as error:
+                log.warning("--tracker %s failed and is turned off for this run (metrics.jsonl has it all): %s: %s",
+                            name, type(error).__name__, error)  # fmt: skip
+                del self.trackers[name]
 
     @rank_zero_only
     def epoch_metrics(self, metrics):
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        if self.tensorboard:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and key not in ("epoch", "step"):
-                    self.tensorboard.add_scalar(key, value, metrics["step"])
-            self.tensorboard.flush()
+        numbers = {key: value for key, value in metrics.items() if isinstance(value, (int, float)) and key != "step"}
+        self._track(numbers, metrics["step"])
 
     @rank_zero_only
-    def train_loss(self, step, loss, samples_per_s):
-        if self.tensorboard:
-            self.tensorboard.add_scalar("train_loss_step", loss, step)
+    def train_loss(self, step, values, samples_per_s):
+        """One log step's numbers: train_loss_step, lr, grad_norm and, under fp16, loss_scale."""
+        self._track(values, step)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples_per_s:.0f}", refresh=False)
+            self.bar.set_postfix(loss=f"{values['train_loss_step']:.4f}", samples_per_s=f"{samples_per_s:.0f}",
+                                 refresh=False)  # fmt: skip
 
     @rank_zero_only
     def truncate(self, step):
@@ -171,7 +189,12 @@ class Reporter:
             self.bar = None
 
     @rank_zero_only
-    def close(self):
+    def close(self, status):
+        """status: finished, preempted or failed (how the trackers mark the run)."""
         self.end_epoch()
-        if self.tensorboard:
-            self.tensorboard.close()
+        for name, tracker in self.trackers.items():
+            try:
+                tracker.close(status)
+            except Exception as error:
+                log.warning("--tracker %s did not close cleanly: %s: %s", name, type(error).__name__, error)
+        self.trackers = {}

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from config import parse_config
+from config import parse_config, write_resolved_config
 from dataset import build_datasets
 from ddp_utils import (
     Agreement,
@@ -58,7 +58,9 @@ from metrics import (
     reset_peak_memory,
 )
 from model import SHAPE_FIELDS
+from profiling import StepProfiler
 from strategy import AMP_DTYPES, build_strategy, model_state_bytes
+from trackers import missing_package
 
 log = logging.getLogger("train")
 
@@ -168,6 +170,8 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = self.output_dir / "checkpoints"
+        # Only rank 0 imports the trackers' packages; a missing one stops every rank at once.
+        self._agree("trackers_installed", rank_zero_only(missing_package)(cfg.trackers))
         self.train_loader, self.val_loader = build_loaders(cfg, ctx, *self._datasets())
         self.global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps
@@ -205,10 +209,8 @@ class Trainer:
         self.tokens_per_sample = sample[1].numel()  # predictions per sample: 1, or a sequence's length
         device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
         self.peak_tflops = peak_tflops(device_name, cfg.amp, cfg.tf32, cfg.peak_tflops)
-        try:
-            self.reporter = Reporter(ctx, cfg, self.output_dir)
-        except ImportError:
-            raise TrainingError("--tensorboard true needs the tensorboard package: pip install tensorboard") from None
+        self.reporter = Reporter(ctx, cfg, self.output_dir)
+        self.profiler = StepProfiler(cfg, ctx.device, self.output_dir)
 
         self.epoch = 0  # current epoch (0-based)
         self.step = 0  # optimizer steps done in the whole run
@@ -216,7 +218,8 @@ class Trainer:
         self.batches_done = 0  # micro-batches done by each rank in the current epoch
         self.loss_totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # sum, count
         self.pending = None  # (step, Agreement) of the last optimizer step, read one step later
-        self.pending_log = None  # (step, HostCopy of the loss, samples/s), printed one step later
+        self.pending_log = None  # (step, HostCopy of loss and gradient norm, lr, loss scale, samples/s)
+        self.resumed = False  # from a checkpoint
         self.skipped_in_a_row = 0  # fp16 steps skipped for overflow, in a row
         self.last_evaluated = None  # the step of the last metrics line
         self.last_saved = None  # the step of the last checkpoint this process wrote
@@ -233,10 +236,19 @@ class Trainer:
             datasets = build_datasets(self.cfg)
         except ConfigError as error:
             problem = str(error)
-        problem = store_barrier(self.ctx, "datasets", problem, self.cfg.timeout_seconds, "--timeout_seconds")
+        self._agree("datasets", problem)
+        return datasets
+
+    def _agree(self, name, problem):
+        """Stop every rank with `problem` (None: no problem) if any rank has one: all ranks
+        call this, and the error is reported once, before anyone waits in a collective."""
+        problem = store_barrier(self.ctx, name, problem, self.cfg.timeout_seconds, "--timeout_seconds")
         if problem:
             raise TrainingError(problem)
-        return datasets
+
+    def open_trackers(self):
+        """Start the trackers' runs (rank 0), or continue them when training resumed."""
+        self._agree("trackers_open", self.reporter.open_trackers(self.cfg, self.step if self.resumed else None))
 
     # --- resume ---------------------------------------------------------------------------
 
@@ -322,6 +334,7 @@ class Trainer:
             # epoch only); per-rank generators restart and rank 0 carries the loss so far.
             self.loss_totals.copy_(sum(rank["loss_totals"] for rank in ranks))
         self.reporter.truncate(self.step)
+        self.resumed = True
         report("resumed from %s: epoch %d, step %d", path, self.epoch + 1, self.step)
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -369,6 +382,7 @@ class Trainer:
         )  # fmt: skip
         report("training %s, global batch %d", length, self.global_batch)
         self._start_period()
+        self.profiler.at_step(self.step)
         while not self._finished():
             self._run_epoch()  # to the epoch's end, or to max_steps
             if self._settle():  # a stop agreed in the last step
@@ -406,6 +420,7 @@ class Trainer:
                 waiting_since = time.perf_counter()
                 continue
             stop = self._optimizer_step()
+            self.profiler.at_step(self.step)
             self.batches_done = micro_step + 1
             if stop:  # agreed by all ranks: save where we are and exit
                 self._save_checkpoint(stopping=True)
@@ -469,15 +484,24 @@ class Trainer:
         if loss is not None:
             self.reporter.step()
         if self.pending_log is not None:
-            step, copy, lr, samples_per_s = self.pending_log
-            (loss_value,) = copy.tolist()
-            report("step %d loss %.4f lr %.3g", step, loss_value, lr)
-            self.reporter.train_loss(step, loss_value, samples_per_s)
+            step, copy, lr, scale, samples_per_s = self.pending_log
+            loss_value, norm = copy.tolist()
+            values = {"train_loss_step": loss_value, "lr": lr, "grad_norm": norm}
+            if scale is not None:  # fp16: the loss scale that step used
+                values["loss_scale"] = scale
+            scale_text = "" if scale is None else f" loss_scale {scale:g}"
+            report("step %d loss %.4f lr %.3g grad_norm %.3g%s", step, loss_value, lr, norm, scale_text)
+            self.reporter.train_loss(step, values, samples_per_s)
             self.pending_log = None
-        if loss is not None and self.cfg.log_every_steps and self.step % self.cfg.log_every_steps == 0:
+        if loss is not None and self._log_due(self.step):
             samples_per_s = self.period.samples_per_s(self.samples_seen, time.perf_counter())
             lr = self.optimizer.param_groups[0]["lr"]
-            self.pending_log = (self.step, HostCopy(loss.reshape(1)), lr, samples_per_s)
+            norm, scale = self.step_norm_and_scale
+            copy = HostCopy(torch.stack([loss.float(), norm.float()]))
+            self.pending_log = (self.step, copy, lr, scale, samples_per_s)
+
+    def _log_due(self, step):
+        return self.cfg.log_every_steps and step % self.cfg.log_every_steps == 0
 
     def _run_batch(self, inputs, targets, sync):
         inputs = inputs.to(self.ctx.device, non_blocking=True)
@@ -518,13 +542,12 @@ class Trainer:
         """
         cfg, fp16 = self.cfg, self.scaler.is_enabled()
         norm = None
-        if cfg.max_grad_norm > 0 or fp16:
+        if cfg.max_grad_norm > 0 or fp16 or self._log_due(self.step + 1):  # a log step reports the norm
             self.scaler.unscale_(self.optimizer)  # the true gradients: to clip, and to see fp16 overflow
             parameters = [p for p in self.model.parameters() if p.grad is not None]
-            if cfg.max_grad_norm > 0:
-                norm = self.strategy.clip_gradients(parameters, cfg.max_grad_norm)
-            else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+            # With clipping off, an infinite limit leaves the gradients as they are and still
+            # measures their global norm (over every shard under FSDP).
+            norm = self.strategy.clip_gradients(parameters, cfg.max_grad_norm or math.inf)
         self.samples_seen += self.global_batch
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.samples_seen, cfg, self.plan)
@@ -533,6 +556,7 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.step_norm_and_scale = (norm, scale)
         low_scale = too_many_skips = False
         if fp16:
             new_scale = self.scaler.get_scale()
@@ -616,21 +640,26 @@ class Trainer:
         for _ in range(batches.item() - len(self.val_loader)):
             yield inputs, None
 
-    def close(self):
+    def close(self, status):
+        """status: finished, preempted or failed."""
         self.watchdog.close()
-        self.reporter.close()
+        self.profiler.stop()
+        self.reporter.close(status)
 
 
 def run(cfg, ctx):
     """Train; returns the exit code. Everything holding process-group work (DDP's reducer)
     is released when this returns, before the group is destroyed."""
     setup_logging(ctx, cfg.output_dir)
-    trainer = None
+    rank_zero_only(write_resolved_config)(cfg, cfg.output_dir)  # --config output_dir/config.toml reruns it
+    trainer, status = None, "failed"
     try:
         trainer = Trainer(cfg, ctx)
         trainer.resume()
+        trainer.open_trackers()
         trainer.train()
         trainer.strategy.wait_for_checkpoint()  # an asynchronous save complete before the exit
+        status = "finished"
     except (TrainingError, CheckpointError) as error:
         report("%s", error, level=logging.ERROR)
         if trainer is not None:  # every rank is here (the error was agreed): finish a save in flight
@@ -638,6 +667,7 @@ def run(cfg, ctx):
                 trainer.strategy.wait_for_checkpoint()
         return 1
     except Preempted as stop:
+        status = "preempted"
         report("stopped by %s at step %d; checkpoint saved, run the same command to resume", stop, trainer.step)
         return 128 + stop.signum
     except Exception as error:
@@ -655,7 +685,7 @@ def run(cfg, ctx):
         raise ExitNow from error
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close(status)
     return 0
 
 

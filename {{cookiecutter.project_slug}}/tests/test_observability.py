@@ -1,4 +1,5 @@
-"""What a run shows: progress bar (rank 0, TTY only), TensorBoard, MFU, and the speed knobs."""
+"""What a run shows: progress bar (rank 0, TTY only), MFU, and the speed knobs (trackers and
+the profiler: test_experiments.py)."""
 
 import fcntl
 import os
@@ -105,28 +106,6 @@ def test_progress_bar_is_never_shown_by_other_ranks(monkeypatch, tmp_path):
     cfg = Config(progress_bar=True)
     assert metrics.Reporter(SimpleNamespace(is_main=True), cfg, tmp_path).progress
     assert not metrics.Reporter(SimpleNamespace(is_main=False), cfg, tmp_path).progress
-
-
-def test_tensorboard_events_are_written_when_enabled(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    run_training(tmp_path, "--tensorboard", "true", "--log_every_steps", "4", "--batch_size", "64")
-    (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
-    accumulator = EventAccumulator(str(events))
-    accumulator.Reload()
-    tags = set(accumulator.Tags()["scalars"])
-    assert {"train_loss", "val_loss", "val_accuracy", "samples_per_s", "train_loss_step"} <= tags
-    assert [event.step for event in accumulator.Scalars("val_loss")] == [16, 32]
-
-
-def test_tensorboard_missing_is_one_clear_error(tmp_path):
-    shadow = tmp_path / "shadow" / "tensorboard"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('no tensorboard here')\n")
-    env = {"PYTHONPATH": str(shadow.parent)}
-    result = run_training(tmp_path / "run", "--tensorboard", "true", nproc=2, env=env, check=False)
-    assert result.returncode == 1
-    assert result.stdout.count("--tensorboard true needs the tensorboard package") == 1
 
 
 def test_metrics_split_time_and_report_memory(tmp_path):

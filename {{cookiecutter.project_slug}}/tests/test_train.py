@@ -110,8 +110,12 @@ def test_amp_modes_train(tmp_path):
 
 def test_readme_config_table_matches_config():
     """Every Config field is in the README table with its default and help text, and nothing else."""
-    rows = [line.split(" | ") for line in (PROJECT / "README.md").read_text().splitlines() if line.startswith("| `")]
-    table = {cells[0].strip("| `"): (cells[1].strip("`"), cells[2].rstrip(" |")) for cells in rows if len(cells) == 3}
+    rows, in_table = [], False
+    for line in (PROJECT / "README.md").read_text().splitlines():  # the tables headed "field | default | meaning"
+        in_table = line == "| field | default | meaning |" or (in_table and line.startswith("|"))
+        if in_table and line.startswith("| `"):
+            rows.append(line.split(" | "))
+    table = {cells[0].strip("| `"): (cells[1].strip("`"), cells[2].rstrip(" |")) for cells in rows}
     expected = {}
     for field in dataclasses.fields(Config):
         default = str(field.default).lower() if isinstance(field.default, bool) else str(field.default)
