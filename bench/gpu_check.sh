@@ -15,6 +15,8 @@
 #      asynchronous sharded checkpoints, then export.py): tokens/s, MFU and peak memory beside
 #      check 6's ddp run. Target: tokens/s >= 0.9x ddp (with one GPU nothing is sharded: this
 #      checks the code path on CUDA and its overhead, not the memory saving).
+#   8. --profile_steps on CUDA: the Chrome trace holds GPU kernels and the CUDA memory snapshot
+#      loads with its segments; fp16 log lines carry grad_norm and loss_scale.
 #
 #   bash bench/gpu_check.sh                 # renders the template (needs cookiecutter)
 #   bash bench/gpu_check.sh PROJECT_DIR     # an already generated project
@@ -197,5 +199,24 @@ print('ok' if ratio >= 0.9 else 'below 0.9x ddp')
     check "GPT 12x768 --strategy fsdp, bf16, compile: >= 0.9x ddp" "$( [[ $verdict == ok ]] && echo ok || echo "$verdict" ) ($(echo "$fsdp" | head -n 1))"
 else
     check "GPT 12x768 --strategy fsdp, bf16, compile: >= 0.9x ddp" "$(tail -n 3 "$runs/gpt_fsdp.log" | tr '\n' ' ')"
+fi
+# --- 8. --profile_steps on CUDA: kernels in the trace, a memory snapshot --------------------------
+if (cd "$project" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${MLP[@]}" \
+    --max_steps 8 --amp fp16 --log_every_steps 2 --profile_steps 4:5 --progress_bar false --resume none \
+    --output_dir "$runs/profile" >"$runs/profile.log" 2>&1); then
+    profiled=$("$python" -c "
+import json, pickle
+trace = json.load(open('$runs/profile/profile/trace_steps_4-5.json'))['traceEvents']
+kernels = sum(1 for e in trace if e.get('cat') == 'kernel')
+snapshot = pickle.load(open('$runs/profile/profile/memory_steps_4-5.pickle', 'rb'))
+print(f\"{kernels} GPU kernels, {len(snapshot['segments'])} memory segments\")
+print('ok' if kernels > 0 and snapshot['segments'] else 'empty')
+")
+    scale_lines=$(grep -c 'grad_norm [0-9.e+-]* loss_scale' "$runs/profile.log" || true)
+    verdict=$(echo "$profiled" | tail -n 1)
+    [[ $verdict == ok && $scale_lines -ge 4 ]] || verdict="$verdict, $scale_lines fp16 log lines with loss_scale"
+    check "--profile_steps 4:5 on CUDA: trace kernels, memory snapshot" "$verdict ($(echo "$profiled" | head -n 1))"
+else
+    check "--profile_steps 4:5 on CUDA: trace kernels, memory snapshot" "$(tail -n 3 "$runs/profile.log" | tr '\n' ' ')"
 fi
 exit $failed

@@ -190,9 +190,12 @@ class Reporter:
 
     @rank_zero_only
     def close(self, status):
-        """status: finished, preempted or failed (how the trackers mark the run)."""
+        """status: finished, preempted or failed (how the trackers mark the run), or crashed:
+        then the trackers are not closed, as closing may wait on a server and nothing may
+        delay the exit (each marks a run that stops reporting as crashed or unfinished)."""
         self.end_epoch()
-        for name, tracker in self.trackers.items():
+        trackers = {} if status == "crashed" else self.trackers
+        for name, tracker in trackers.items():
             try:
                 tracker.close(status)
             except Exception as error:

@@ -7,7 +7,8 @@ continues the same tracker runs: their ids are kept beside the checkpoints, in
 output_dir/trackers.json.
 
 Where the runs go is each tool's own setting: WANDB_MODE, WANDB_DIR and `wandb login` for
-W&B; MLFLOW_TRACKING_URI for MLflow (a server, or sqlite:///mlflow.db).
+W&B; MLFLOW_TRACKING_URI for MLflow (a server; by default sqlite:///mlflow.db, in the working
+folder).
 """
 
 import importlib

@@ -641,7 +641,7 @@ class Trainer:
             yield inputs, None
 
     def close(self, status):
-        """status: finished, preempted or failed."""
+        """status: finished, preempted, failed (agreed by all ranks) or crashed."""
         self.watchdog.close()
         self.profiler.stop()
         self.reporter.close(status)
@@ -682,6 +682,7 @@ def run(cfg, ctx):
             )  # fmt: skip
         else:
             log.error("rank %d failed", ctx.rank, exc_info=error)
+        status = "crashed"  # the trackers are left as they are: closing one may wait on its server
         raise ExitNow from error
     finally:
         if trainer is not None:
