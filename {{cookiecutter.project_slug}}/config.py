@@ -16,7 +16,9 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +122,8 @@ class Config(ModelConfig, DataConfig):
             choices = f.metadata["choices"]
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f.name, f"must be one of {', '.join(choices)}")
+            if f.type is float and not math.isfinite(getattr(self, f.name)):  # nan passes every comparison
+                raise ConfigError(f.name, "must be a finite number")
         positive = ("epochs", "batch_size", "grad_accum_steps", "timeout_seconds", "prefetch_factor", "bucket_cap_mb")
         positive += ("checkpoint_timeout_seconds",)
         for name in positive:
@@ -171,7 +175,7 @@ class Config(ModelConfig, DataConfig):
         if not self.profile_steps:
             return None
         first, _, last = self.profile_steps.partition(":")
-        if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        if not (re.fullmatch("[0-9]+", first) and re.fullmatch("[0-9]+", last) and 1 <= int(first) <= int(last)):
             raise ConfigError("profile_steps", "must be A:B with 1 <= A <= B, such as 10:12, or '' for off")
         return int(first), int(last)
 
@@ -223,6 +227,7 @@ def build_parser():
     parser.add_argument(
         "--config",
         metavar="FILE.toml",
+        action=ConfigFile,
         help="a TOML file of Config fields (flat, or in sections) over the defaults; flags win over it",
     )
     for name, replacement in RENAMED.items():
@@ -248,6 +253,17 @@ class Refuse(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"{option_string} {self.problem}")
+
+
+class ConfigFile(argparse.Action):
+    """--config: one file, named."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not values:
+            parser.error(f"{option_string} needs the path of a TOML file")
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} is given twice: put the settings of both files into one")
+        setattr(namespace, self.dest, values)
 
 
 def read_config_file(path):
@@ -307,14 +323,19 @@ def parse_config(argv=None, resolve=True):
         cfg = Config(**values)
         return cfg.resolved() if resolve else cfg
     except ConfigError as error:
-        if error.field in from_file and from_file[error.field] == values[error.field]:
+        if error.field in from_file and values[error.field] is from_file[error.field]:  # not overridden by a flag
             exit_with_error(f"--config {args.config}: key {error.field} {error.problem}")
         exit_with_error(str(error))
 
 
 def write_resolved_config(cfg, output_dir):
-    """output_dir/config.toml: this run's whole config, written whole or not at all."""
+    """output_dir/config.toml: this run's whole config, written whole or not at all. Returns an
+    error, or None."""
     path = Path(output_dir) / "config.toml"
     partial = path.with_name(f".config.toml.{os.getpid()}")
-    partial.write_text(cfg.to_toml())
-    partial.replace(path)
+    try:
+        partial.write_text(cfg.to_toml(), encoding="utf-8")
+        partial.replace(path)
+    except (OSError, UnicodeError) as error:
+        return f"could not write {path}: {error}"
+    return None

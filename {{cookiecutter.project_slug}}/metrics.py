@@ -192,7 +192,7 @@ class Reporter:
     def close(self, status):
         """status: finished, preempted or failed (how the trackers mark the run), or crashed:
         then the trackers are not closed, as closing may wait on a server and nothing may
-        delay the exit (each marks a run that stops reporting as crashed or unfinished)."""
+        delay the exit (W&B marks such a run crashed; an MLflow run stays RUNNING)."""
         self.end_epoch()
         trackers = {} if status == "crashed" else self.trackers
         for name, tracker in trackers.items():

@@ -19,29 +19,34 @@ class StepProfiler:
         self.cuda = device.type == "cuda"
         self.folder = Path(output_dir) / "profile"
         self.profiler = None
-        self.marker = None  # the open "optimizer_step#N" range
+        self.marker, self.marker_step = None, None  # the open "optimizer_step#N" range, and N
+        self.first_recorded = None
 
     @rank_zero_only
     def at_step(self, done):
-        """Call with the optimizer steps done: as training starts, and after each step."""
-        if self.range is None:
+        """Call before each micro-batch with the optimizer steps done. Records steps A to B, or
+        the steps left of them when a run resumes inside the range. Each step is a range named
+        after it (as train.log numbers it), from its first micro-batch to the next step's."""
+        if self.range is None or self.marker_step == done + 1:  # nothing to record, or the same step
             return
         first, last = self.range
-        if self.profiler is None and done == first - 1:
-            self._start()
-            self._mark(done + 1)
-        elif self.profiler is not None:
-            self.marker.__exit__(None, None, None)
-            self.marker = None
+        if self.profiler is not None:
+            self._end_mark()
             if done >= last:
                 self.stop()
-            else:
-                self._mark(done + 1)
-
-    def _mark(self, step):
-        """A range named after the optimizer step, as train.log numbers it, around its work."""
-        self.marker = torch.profiler.record_function(f"optimizer_step#{step}")
+                return
+        elif first - 1 <= done < last:
+            self._start()
+            self.first_recorded = done + 1
+        else:
+            return
+        self.marker, self.marker_step = torch.profiler.record_function(f"optimizer_step#{done + 1}"), done + 1
         self.marker.__enter__()
+
+    def _end_mark(self):
+        if self.marker is not None:
+            self.marker.__exit__(None, None, None)
+            self.marker = None
 
     def _start(self):
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -53,18 +58,16 @@ class StepProfiler:
 
     @rank_zero_only
     def stop(self):
-        """Write what was recorded (the run may end, or stop, before step B)."""
+        """Write what was recorded, named after the steps in it (a run may end before B)."""
         if self.profiler is None:
             return
         profiler, self.profiler = self.profiler, None
-        if self.marker is not None:
-            self.marker.__exit__(None, None, None)
-            self.marker = None
+        self._end_mark()
         profiler.stop()
-        first, last = self.range
+        steps = f"{self.first_recorded}-{self.marker_step}"
         self.folder.mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(self.folder / f"trace_steps_{first}-{last}.json"))
+        profiler.export_chrome_trace(str(self.folder / f"trace_steps_{steps}.json"))
         if self.cuda:
-            torch.cuda.memory._dump_snapshot(str(self.folder / f"memory_steps_{first}-{last}.pickle"))
+            torch.cuda.memory._dump_snapshot(str(self.folder / f"memory_steps_{steps}.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
         self.range = None  # once per run

@@ -13,8 +13,12 @@ folder).
 
 import importlib
 import json
+import logging
+import os
 import time
 from pathlib import Path
+
+log = logging.getLogger("train")
 
 # --tracker name -> (the module it imports, the pyproject extra that installs it)
 PACKAGES = {
@@ -39,15 +43,27 @@ def open_trackers(cfg, output_dir, resumed_step):
     """The trackers --tracker asks for, each with its run started (a new one), or continued
     when the run resumes from a checkpoint at `resumed_step` (None: a fresh start)."""
     ids_path = Path(output_dir) / "trackers.json"
-    ids = json.loads(ids_path.read_text()) if resumed_step is not None and ids_path.exists() else {}
+    ids = {}
+    if resumed_step is not None and ids_path.exists():
+        try:
+            ids = json.loads(ids_path.read_text())
+        except ValueError:
+            log.warning("%s is not valid JSON: the trackers start new runs", ids_path)
     config = cfg.to_dict()
     run_name = Path(cfg.output_dir).resolve().name
     trackers = {}
-    for name in cfg.trackers:
-        tracker = TRACKERS[name](cfg.tracker_project, run_name, Path(output_dir), ids.get(name), resumed_step)
-        tracker.log_config(config)
-        trackers[name] = tracker
-    ids_path.write_text(json.dumps({name: tracker.run_id for name, tracker in trackers.items()}, indent=2) + "\n")
+    try:
+        for name in cfg.trackers:
+            tracker = TRACKERS[name](cfg.tracker_project, run_name, Path(output_dir), ids.get(name), resumed_step)
+            trackers[name] = tracker
+            tracker.log_config(config)
+    except BaseException:
+        for tracker in trackers.values():  # the ones already started: closed, not left running
+            tracker.close("failed")
+        raise
+    partial = ids_path.with_name(f".trackers.json.{os.getpid()}")
+    partial.write_text(json.dumps({name: tracker.run_id for name, tracker in trackers.items()}, indent=2) + "\n")
+    partial.replace(ids_path)
     return trackers
 
 
@@ -113,12 +129,16 @@ class MLflow:
     def __init__(self, project, run_name, output_dir, run_id, resumed_step):
         import mlflow
 
-        self.entities = mlflow.entities
+        self.mlflow, self.entities = mlflow, mlflow.entities
         self.client = mlflow.MlflowClient()
-        self.resumed = run_id is not None
-        if self.resumed:
-            self.client.update_run(run_id, status="RUNNING")
-        else:
+        self.resumed = False
+        if run_id is not None:
+            try:
+                self.client.update_run(run_id, status="RUNNING")
+                self.resumed = True
+            except mlflow.exceptions.MlflowException as error:  # deleted, or another tracking store
+                log.warning("MLflow run %s cannot be continued (%s): starting a new run", run_id, error)
+        if not self.resumed:
             experiment = self.client.get_experiment_by_name(project)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
             run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
@@ -134,9 +154,12 @@ class MLflow:
     def log(self, metrics, step):
         now = int(time.time() * 1000)
         metrics = [self.entities.Metric(key, float(value), now, step) for key, value in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        # In MLflow's background thread: a slow tracking server must not hold up rank 0 (the
+        # other ranks would wait for it in the next all-reduce).
+        self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
 
     def close(self, status):
+        self.mlflow.flush_async_logging()  # the metrics still queued
         # A preempted run shows as KILLED until its resume sets it RUNNING again.
         self.client.set_terminated(self.run_id, {"finished": "FINISHED", "preempted": "KILLED"}.get(status, "FAILED"))
 

@@ -246,6 +246,11 @@ class Trainer:
         if problem:
             raise TrainingError(problem)
 
+    def write_config(self):
+        """output_dir/config.toml, once the run is known to start (or resume): the config of its
+        latest start, which `--config` reads back."""
+        self._agree("config_written", rank_zero_only(write_resolved_config)(self.cfg, self.output_dir))
+
     def open_trackers(self):
         """Start the trackers' runs (rank 0), or continue them when training resumed."""
         self._agree("trackers_open", self.reporter.open_trackers(self.cfg, self.step if self.resumed else None))
@@ -382,7 +387,6 @@ class Trainer:
         )  # fmt: skip
         report("training %s, global batch %d", length, self.global_batch)
         self._start_period()
-        self.profiler.at_step(self.step)
         while not self._finished():
             self._run_epoch()  # to the epoch's end, or to max_steps
             if self._settle():  # a stop agreed in the last step
@@ -414,13 +418,13 @@ class Trainer:
         for micro_step, (inputs, targets) in enumerate(self.train_loader, start=self.batches_done):
             self.period.data_wait_s += time.perf_counter() - waiting_since
             self.watchdog.beat(f"training, optimizer step {self.step + 1}")
+            self.profiler.at_step(self.step)  # --profile_steps
             last_micro_step = (micro_step + 1) % accum == 0
             loss = self._run_batch(inputs, targets, sync=last_micro_step)
             if not last_micro_step:
                 waiting_since = time.perf_counter()
                 continue
             stop = self._optimizer_step()
-            self.profiler.at_step(self.step)
             self.batches_done = micro_step + 1
             if stop:  # agreed by all ranks: save where we are and exit
                 self._save_checkpoint(stopping=True)
@@ -651,11 +655,11 @@ def run(cfg, ctx):
     """Train; returns the exit code. Everything holding process-group work (DDP's reducer)
     is released when this returns, before the group is destroyed."""
     setup_logging(ctx, cfg.output_dir)
-    rank_zero_only(write_resolved_config)(cfg, cfg.output_dir)  # --config output_dir/config.toml reruns it
     trainer, status = None, "failed"
     try:
         trainer = Trainer(cfg, ctx)
         trainer.resume()
+        trainer.write_config()
         trainer.open_trackers()
         trainer.train()
         trainer.strategy.wait_for_checkpoint()  # an asynchronous save complete before the exit

@@ -6,7 +6,6 @@ event files read by TensorBoard's own reader.
 """
 
 import json
-import math
 import struct
 import subprocess
 import sys
@@ -59,6 +58,7 @@ def test_file_over_defaults_and_flags_over_file(tmp_path):
         ("lr = 0.1\n[a]\nlr = 0.2\n", "key a.lr is set twice (also as lr)"),
         ("lr = -1\n", "key lr must be greater than 0"),
         ('amp = "fp8"\n', "key amp must be one of bf16, fp16, none"),
+        ("max_grad_norm = nan\n", "key max_grad_norm must be a finite number"),
         ("[logging]\ntensorboard = true\n", "key logging.tensorboard was replaced by --tracker tensorboard"),
     ],
 )
@@ -77,6 +77,10 @@ def test_unreadable_file_and_removed_flag_are_one_line(tmp_path, capsys):
         (["--tensorboard", "true"], "--tensorboard was replaced by --tracker tensorboard"),
         (["--tracker", "wandb,comet"], "--tracker must be none, or one or more of tensorboard, wandb, mlflow"),
         (["--profile_steps", "5:2"], "--profile_steps must be A:B with 1 <= A <= B"),
+        (["--profile_steps", "\u00b2:3"], "--profile_steps must be A:B with 1 <= A <= B"),
+        (["--max_grad_norm", "nan"], "--max_grad_norm must be a finite number"),
+        (["--config", "a.toml", "--config=b.toml"], "--config is given twice"),
+        (["--config="], "--config needs the path of a TOML file"),
     ]:
         with pytest.raises(SystemExit):
             parse_config(args, resolve=False)
@@ -86,7 +90,7 @@ def test_unreadable_file_and_removed_flag_are_one_line(tmp_path, capsys):
 
 def test_resolved_config_file_reads_back_to_the_same_config(tmp_path):
     hostile = 'runs/ünï "quoted" back\\slash \t tab \x7f del \U0001f600'
-    cfg = Config(output_dir=hostile, lr=1e-5, max_grad_norm=math.inf, tracker="tensorboard,mlflow", compile=True)
+    cfg = Config(output_dir=hostile, lr=1e-5, max_grad_norm=0.25, tracker="tensorboard,mlflow", compile=True)
     path = write(tmp_path / "config.toml", cfg.to_toml())
     assert parse_config(["--config", path], resolve=False) == cfg
 
@@ -116,7 +120,7 @@ def test_resolved_config_alone_reproduces_the_run(one_node_run, tmp_path):
 # --- trackers, step diagnostics and the profiler: one tracked 2-process job, resumed once ----------
 
 TRACKED = ["--tracker", "tensorboard,wandb,mlflow", "--log_every_steps", "2", "--amp", "fp16"]
-TRACKED += ["--eval_every_steps", "4", "--profile_steps", "2:3"]
+TRACKED += ["--eval_every_steps", "4", "--profile_steps", "5:7"]
 
 
 @pytest.fixture(scope="module")
@@ -230,14 +234,17 @@ def test_log_steps_show_gradient_norm_and_fp16_loss_scale(tracked):
         assert 0 < norm < 100 and scale == 65536.0  # fp16's first scale, no overflow in 10 steps
 
 
-def test_profile_is_one_chrome_trace_of_the_asked_steps_from_rank_zero(tracked):
+def test_profile_traces_the_asked_steps_from_rank_zero_across_a_resume(tracked):
+    """Steps 5:7 of a run stopped at step 6: steps 5-6 before the stop, step 7 after the resume."""
     output_dir, _, _, _ = tracked
-    (trace,) = (output_dir / "profile").iterdir()  # rank 0 only; the resume (past step 3) adds none
-    assert trace.name == "trace_steps_2-3.json"
-    events = json.loads(trace.read_text())["traceEvents"]
-    names = {event.get("name", "") for event in events}
-    assert {"optimizer_step#2", "optimizer_step#3"} <= names and "optimizer_step#4" not in names
-    assert any("aten::addmm" in name or "aten::mm" in name for name in names)  # the model's work is in it
+    traces = sorted(path.name for path in (output_dir / "profile").iterdir())  # rank 0's only
+    assert traces == ["trace_steps_5-6.json", "trace_steps_7-7.json"]
+    for name, steps in [("trace_steps_5-6.json", {5, 6}), ("trace_steps_7-7.json", {7})]:
+        events = json.loads((output_dir / "profile" / name).read_text())["traceEvents"]
+        names = {event.get("name", "") for event in events}
+        recorded = {int(n.split("#")[1]) for n in names if n.startswith("optimizer_step#")}
+        assert recorded == steps
+        assert any(n in ("aten::addmm", "aten::mm") for n in names)  # the model's work is in it
 
 
 def test_missing_tracker_package_is_one_clear_error(tmp_path):
