@@ -106,19 +106,23 @@ def timed_args(steps):
     return ["--max_steps", steps, "--eval_every_steps", steps // 2, "--val_samples", 64, "--resume", "none"]
 
 
-def two_host_step_seconds(hosts, args, samples_per_step, output_dir, env=None):
-    """Train on both hosts, one process each (launch.sh, static rendezvous at host 0)."""
+def two_host_envs(hosts, **extra):
+    """launch.sh's settings on each of two hosts: one process each, static rendezvous at host 0."""
     common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": PORT}
-    envs = [{**launch_env(**common, NODE_RANK=rank), **(env or {})} for rank in (0, 1)]
+    return [launch_env(**common, NODE_RANK=rank, **extra) for rank in (0, 1)]
+
+
+def two_host_step_seconds(hosts, args, samples_per_step, output_dir):
+    """Train on both hosts, one process each."""
     command = [LAUNCH, *TINY, *map(str, args), "--output_dir", str(output_dir)]
-    run_nodes(start_on(hosts), envs, command, output_dir.parent / f"{output_dir.name}_logs", timeout=600)
+    logs_dir = output_dir.parent / f"{output_dir.name}_logs"
+    run_nodes(start_on(hosts), two_host_envs(hosts), command, logs_dir, timeout=600)
     return step_seconds(output_dir, samples_per_step)
 
 
-def preflight_prediction(hosts, args, logs_dir, env=None):
+def preflight_prediction(hosts, args, logs_dir):
     """`launch.sh --preflight --json` on both hosts: the object rank 0 prints."""
-    common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": PORT}
-    envs = [{**launch_env(**common, NODE_RANK=rank, PREFLIGHT_MAX_MB=16), **(env or {})} for rank in (0, 1)]
+    envs = two_host_envs(hosts, PREFLIGHT_MAX_MB=16)
     output = run_nodes(start_on(hosts), envs, [LAUNCH, "--preflight", "--json", *TINY, *map(str, args)], logs_dir)
     (report,) = [json.loads(line) for line in "".join(output).splitlines() if line.startswith("{")]
     return report

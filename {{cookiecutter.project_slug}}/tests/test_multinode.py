@@ -82,9 +82,7 @@ def test_the_hosts_have_their_own_name_and_address_and_are_removed_afterwards(tm
 
 def test_static_rendezvous_across_two_hosts_equals_one_node(one_node_run, hosts, tmp_path):
     """MASTER_ADDR is node 0's link address; gloo finds the link from each node's hostname."""
-    common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": PORT}
-    envs = [launch_env(**common, NODE_RANK=rank) for rank in (0, 1)]
-    output = run_nodes(start_on(hosts), envs, launch_command(tmp_path / "run"), tmp_path)
+    output = run_nodes(start_on(hosts), nodes.two_host_envs(hosts), launch_command(tmp_path / "run"), tmp_path)
     assert f"static rendezvous at {hosts.addresses[0]}:{PORT}, node 1" in output[1]
     assert_same_as(one_node_run, tmp_path / "run")
 
@@ -182,8 +180,7 @@ def test_elastic_job_goes_on_when_a_host_is_lost_mid_run(hosts, tmp_path):
 
 
 def preflight_envs(hosts, **extra):
-    common = {"NNODES": 2, "NPROC_PER_NODE": 1, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": PORT}
-    return [launch_env(**common, NODE_RANK=rank, PREFLIGHT_MAX_MB=16, **extra) for rank in (0, 1)]
+    return nodes.two_host_envs(hosts, PREFLIGHT_MAX_MB=16, **extra)
 
 
 def start_preflight(hosts, envs, logs_dir):
