@@ -6,9 +6,11 @@ event files read by TensorBoard's own reader.
 """
 
 import json
+import logging
 import struct
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import (
@@ -22,6 +24,7 @@ from conftest import (
 )
 
 from config import Config, parse_config
+from metrics import Reporter
 
 pytestmark = pytest.mark.fixed_amp
 
@@ -245,6 +248,26 @@ def test_profile_traces_the_asked_steps_from_rank_zero_across_a_resume(tracked):
         recorded = {int(n.split("#")[1]) for n in names if n.startswith("optimizer_step#")}
         assert recorded == steps
         assert any(n in ("aten::addmm", "aten::mm") for n in names)  # the model's work is in it
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_and_metrics_jsonl_keeps_everything(tmp_path, caplog, monkeypatch):
+    """Rank 0 alone talks to trackers: an exception there must never reach the loop (the other
+    ranks would wait in the next all-reduce)."""
+
+    class Broken:
+        def log(self, metrics, step):
+            raise ConnectionError("tracking server unreachable")
+
+    monkeypatch.setattr(logging.getLogger("train"), "propagate", True)  # setup_logging turns it off
+    reporter = Reporter(SimpleNamespace(is_main=True), Config(), tmp_path)
+    reporter.trackers = {"mlflow": Broken()}
+    with caplog.at_level(logging.WARNING, logger="train"):
+        reporter.epoch_metrics({"epoch": 1, "step": 4, "val_loss": 1.5})
+        reporter.epoch_metrics({"epoch": 1, "step": 8, "val_loss": 1.25})
+    assert reporter.trackers == {}
+    assert [line["step"] for line in read_metrics(tmp_path)] == [4, 8]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "--tracker mlflow failed and is turned off" in warning and "unreachable" in warning
 
 
 def test_missing_tracker_package_is_one_clear_error(tmp_path):
