@@ -17,7 +17,6 @@ import dataclasses
 import difflib
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +27,10 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from dataset import DataConfig
+from ddp_utils import write_atomically
 from knobs import ConfigError, OneLineParser, exit_with_error, knob
 from model import ModelConfig
+from trackers import TRACKERS
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,8 @@ class Config(ModelConfig, DataConfig):
             raise ConfigError("min_lr_ratio", "must be between 0 and 1")
         if not self.output_dir:
             raise ConfigError("output_dir", "must not be empty")
-        trackers = self.tracker.split(",")
-        if any(name not in TRACKERS for name in trackers) or ("none" in trackers and len(trackers) > 1):
-            raise ConfigError("tracker", f"must be none, or one or more of {', '.join(TRACKERS[1:])} joined by commas")
+        if self.tracker != "none" and not set(self.tracker.split(",")) <= set(TRACKERS):
+            raise ConfigError("tracker", f"must be none, or one or more of {', '.join(TRACKERS)} joined by commas")
         self.profile_range()  # a bad range is refused now, not at step A
         if self.static_graph and self.grad_accum_steps > 1:
             # DDP's static graph expects an all-reduce after every backward; no_sync() breaks that
@@ -168,7 +168,7 @@ class Config(ModelConfig, DataConfig):
     @property
     def trackers(self):
         """The trackers asked for, in order: () for none."""
-        return tuple(dict.fromkeys(name for name in self.tracker.split(",") if name != "none"))
+        return () if self.tracker == "none" else tuple(dict.fromkeys(self.tracker.split(",")))
 
     def profile_range(self):
         """(first, last) optimizer step to profile, or None."""
@@ -196,7 +196,6 @@ class Config(ModelConfig, DataConfig):
         return "\n".join(lines) + "\n"
 
 
-TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 # Fields that are gone, and what replaced them: named in the error for a flag or a file key.
 RENAMED = {"tensorboard": "was replaced by --tracker tensorboard"}
 
@@ -332,10 +331,8 @@ def write_resolved_config(cfg, output_dir):
     """output_dir/config.toml: this run's whole config, written whole or not at all. Returns an
     error, or None."""
     path = Path(output_dir) / "config.toml"
-    partial = path.with_name(f".config.toml.{os.getpid()}")
     try:
-        partial.write_text(cfg.to_toml(), encoding="utf-8")
-        partial.replace(path)
+        write_atomically(path, lambda f: f.write(cfg.to_toml().encode()))
     except (OSError, UnicodeError) as error:
         return f"could not write {path}: {error}"
     return None

@@ -417,12 +417,18 @@ def _write_checkpoint(state, checkpoint_dir, step, keep):
 
 
 def _atomic_save(state, path):
-    # A crash or a full disk while writing leaves only the temporary file behind;
-    # `path` is always either the previous complete checkpoint or the new one.
+    write_atomically(path, lambda f: torch.save(state, f))
+
+
+def write_atomically(path, write):
+    """Write a file whole or not at all: `write(f)` fills a temporary binary file, renamed to
+    `path` once on disk. A crash or a full disk while writing leaves only the temporary file
+    behind; `path` is always either the previous complete file or the new one."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

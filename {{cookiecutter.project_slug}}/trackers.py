@@ -14,28 +14,22 @@ folder).
 import importlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
-log = logging.getLogger("train")
+from ddp_utils import write_atomically
 
-# --tracker name -> (the module it imports, the pyproject extra that installs it)
-PACKAGES = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "mlflow": ("mlflow", "mlflow"),
-}
+log = logging.getLogger("train")
 
 
 def missing_package(names):
-    """A one-line error for the first tracker in `names` whose package is not installed, or None."""
+    """A one-line error for the first tracker in `names` whose package is not installed, or None.
+    Each tracker's module and pyproject extra have its name."""
     for name in names:
-        module, extra = PACKAGES[name]
         try:
-            importlib.import_module(module)
+            importlib.import_module(name)
         except ImportError:
-            return f'--tracker {name} needs the {module} package: pip install ".[{extra}]"'
+            return f'--tracker {name} needs the {name} package: pip install ".[{name}]"'
     return None
 
 
@@ -61,9 +55,8 @@ def open_trackers(cfg, output_dir, resumed_step):
         for tracker in trackers.values():  # the ones already started: closed, not left running
             tracker.close("failed")
         raise
-    partial = ids_path.with_name(f".trackers.json.{os.getpid()}")
-    partial.write_text(json.dumps({name: tracker.run_id for name, tracker in trackers.items()}, indent=2) + "\n")
-    partial.replace(ids_path)
+    ids = {name: tracker.run_id for name, tracker in trackers.items()}
+    write_atomically(ids_path, lambda f: f.write((json.dumps(ids, indent=2) + "\n").encode()))
     return trackers
 
 
