@@ -209,9 +209,13 @@ class Agreement:
         else:
             self.work, self.copy = work, HostCopy(values)
 
-    def result(self):
+    def wait(self):
+        """Until the all-reduce is done on the host's side (no collective left in flight)."""
         if self.work is not None:
             self.work.wait()
+
+    def result(self):
+        self.wait()
         return [bool(v) for v in self.copy.tolist()]
 
 

@@ -14,8 +14,9 @@ from ddp_utils import rank_zero_only
 
 
 class StepProfiler:
-    def __init__(self, cfg, device, output_dir):
+    def __init__(self, cfg, device, output_dir, before_toggle):
         self.range = cfg.profile_range()
+        self.before_toggle = before_toggle  # waits until no collective is in flight
         self.cuda = device.type == "cuda"
         self.folder = Path(output_dir) / "profile"
         self.profiler = None
@@ -49,6 +50,7 @@ class StepProfiler:
             self.marker = None
 
     def _start(self):
+        self.before_toggle()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -63,6 +65,7 @@ class StepProfiler:
             return
         profiler, self.profiler = self.profiler, None
         self._end_mark()
+        self.before_toggle()
         profiler.stop()
         steps = f"{self.first_recorded}-{self.marker_step}"
         self.folder.mkdir(parents=True, exist_ok=True)
