@@ -142,7 +142,7 @@ class Config(ModelConfig, DataConfig):
             raise ConfigError("min_lr_ratio", "must be between 0 and 1")
         if not self.output_dir:
             raise ConfigError("output_dir", "must not be empty")
-        if self.tracker != "none" and not set(self.tracker.split(",")) <= set(TRACKERS):
+        if not set(self.trackers) <= set(TRACKERS):
             raise ConfigError("tracker", f"must be none, or one or more of {', '.join(TRACKERS)} joined by commas")
         self.profile_range()  # a bad range is refused now, not at step A
         if self.static_graph and self.grad_accum_steps > 1:
@@ -204,7 +204,7 @@ def toml_value(value):
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
-        return repr(value)  # 1e-05, inf and nan are TOML too
+        return repr(value)  # 1e-05 is TOML too (every float field is finite)
     # A TOML basic string is a JSON string, except that DEL must be escaped as well.
     return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 

@@ -37,8 +37,9 @@ TINY += ["--log_every_steps", "0", *task.TINY, *task.prepare_data(DATA)]  # the 
 LR = float(dict(zip(TINY[::2], TINY[1::2]))["--lr"])  # the peak lr of TINY runs
 
 
-def training_command(output_dir, *args, nproc=1, probe=None, torchrun_args=()):
-    """train.py with `nproc` processes (torchrun when nproc > 1), on the TINY task.
+def training_command(output_dir, *args, nproc=1, probe=None, torchrun_args=(), tiny=True):
+    """train.py with `nproc` processes (torchrun when nproc > 1), on the TINY task (with
+    `tiny`; without, only `args` and the output folder: a --config file's run, say).
 
     With `probe`, run it through tests/ddp_probe.py with that fault or instrument installed.
     """
@@ -46,7 +47,7 @@ def training_command(output_dir, *args, nproc=1, probe=None, torchrun_args=()):
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
-    return [*launcher, *script, *TINY, "--output_dir", str(output_dir), *map(str, args)]
+    return [*launcher, *script, *(TINY if tiny else []), "--output_dir", str(output_dir), *map(str, args)]
 
 
 def training_env(env=None):
@@ -56,12 +57,14 @@ def training_env(env=None):
     return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path, **(env or {})}
 
 
-def run_training(output_dir, *args, nproc=1, probe=None, timeout=180, env=None, check=True, torchrun_args=()):
+def run_training(
+    output_dir, *args, nproc=1, probe=None, timeout=180, env=None, check=True, torchrun_args=(), tiny=True
+):
     """Run training to the end; returns the CompletedProcess (raises if it failed and `check`).
 
     Past `timeout` seconds the whole job, workers included, is killed and TimeoutExpired raised.
     """
-    command = training_command(output_dir, *args, nproc=nproc, probe=probe, torchrun_args=torchrun_args)
+    command = training_command(output_dir, *args, nproc=nproc, probe=probe, torchrun_args=torchrun_args, tiny=tiny)
     process = subprocess.Popen(command, cwd=PROJECT, env=training_env(env), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:

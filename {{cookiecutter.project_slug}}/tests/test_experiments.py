@@ -8,8 +8,6 @@ event files read by TensorBoard's own reader.
 import json
 import logging
 import struct
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +18,6 @@ from conftest import (
     assert_same_parameters,
     read_metrics,
     run_training,
-    training_env,
 )
 
 from config import Config, parse_config
@@ -110,10 +107,7 @@ def test_resolved_config_alone_reproduces_the_run(one_node_run, tmp_path):
     """The file rank 0 wrote at the start of a run, and nothing else (no TINY flags), trains the
     same parameters and metrics again."""
     saved = one_node_run / "config.toml"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
-    command += ["--config", str(saved), "--output_dir", str(tmp_path)]
-    result = subprocess.run(command, cwd=PROJECT, env=training_env(), capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_training(tmp_path, "--config", saved, nproc=2, tiny=False)
     assert_same_parameters(tmp_path, one_node_run)
     assert_same_metrics(tmp_path, one_node_run)
     assert len(read_metrics(tmp_path)) == len(read_metrics(one_node_run))
