@@ -80,10 +80,15 @@ def test_prompt_values_reach_their_places(bakes):
             trainer = job["spec"]["trainer"]
             assert job["metadata"]["name"] == name and trainer["image"] == f"{name}:latest"
             assert (trainer["numNodes"], trainer["numProcPerNode"]) == (int(nodes), int(gpus))
+            assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == int(gpus)
+            (patch,) = job["spec"]["runtimePatches"]  # Trainer v2.3: the pods' volumes are a runtime patch
+            (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+            volumes = node["template"]["spec"]["template"]["spec"]["volumes"]
+            assert volumes[0]["persistentVolumeClaim"]["claimName"] == f"{name}-checkpoints"
             jobset = yaml.safe_load((project / "k8s" / "jobset.yaml").read_text())
             job_spec = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
             (container,) = job_spec["template"]["spec"]["containers"]
-            assert job_spec["completions"] == int(nodes)
+            assert job_spec["completions"] == job_spec["parallelism"] == int(nodes)
             assert container["resources"]["limits"]["nvidia.com/gpu"] == int(gpus)
             env = {entry["name"]: entry.get("value") for entry in container["env"]}
             assert (env["NNODES"], env["NPROC_PER_NODE"]) == (nodes, gpus)

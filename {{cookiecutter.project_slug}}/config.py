@@ -113,6 +113,12 @@ class Config(ModelConfig, DataConfig):
     )
     init_on_meta: bool = knob(False, "ddp: build the model on the meta device, then initialise it (fsdp always does)")
     async_checkpoint: bool = knob(False, "fsdp: write checkpoints in the background while training goes on")
+    device: str = knob(
+        "auto",
+        "auto: each process's GPU when CUDA works, else the CPU, but stop when GPUs were asked for "
+        "(CUDA_VISIBLE_DEVICES, SLURM) and CUDA cannot use them; cuda: stop without a usable GPU; cpu: the CPU",
+        ("auto", "cuda", "cpu"),
+    )
     timeout_seconds: int = knob(600, "limit for process-group start-up and each collective")
     find_unused_parameters: bool = knob(
         False, "let DDP handle parameters that get no gradient in a step (slower; see README)"

@@ -61,7 +61,80 @@ def pick_device(local_rank):
     return torch.device("cuda", local_rank)
 
 
-def setup_distributed(timeout_seconds=600, trace_dir=None):
+class DeviceError(RuntimeError):
+    """GPUs were asked for and CUDA cannot use them: the job must not train on the CPU instead."""
+
+
+# Values of CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES that ask for no GPU (SLURM writes
+# NoDevFiles where a job got none; the NVIDIA container runtime takes void and none).
+NO_GPU_VALUES = {"", "-1", "none", "void", "nodevfiles"}
+
+
+def gpus_requested(environ):
+    """What asked for GPUs, as a short text naming the variable, or None: the job's scheduler
+    or launcher gave this process GPUs (SLURM's GPU variables, CUDA_VISIBLE_DEVICES,
+    NVIDIA_VISIBLE_DEVICES set to devices)."""
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):
+        value = environ.get(name)
+        if value is not None and value.strip().lower() not in NO_GPU_VALUES:
+            return f"{name}={value}"
+    if environ.get("SLURM_GPUS_ON_NODE", "0").isdigit() and int(environ.get("SLURM_GPUS_ON_NODE", "0")) > 0:
+        return f"SLURM_GPUS_ON_NODE={environ['SLURM_GPUS_ON_NODE']}"
+    return None
+
+
+def cuda_driver_version():
+    """The newest CUDA version the NVIDIA driver supports, e.g. (12, 8); None without a driver.
+    Read from libcuda itself (cuDriverGetVersion needs no initialised device)."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int()
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return version.value // 1000, version.value % 1000 // 10
+
+
+def cuda_unavailable_reason():
+    """Why torch cannot use CUDA here, in one sentence with the fix."""
+    build = f"this torch ({torch.__version__})"
+    if torch.version.cuda is None:
+        return f"{build} is a CPU-only build: install torch built for the nodes' CUDA (pytorch.org/get-started)"
+    needed = tuple(int(part) for part in torch.version.cuda.split(".")[:2])
+    driver = cuda_driver_version()
+    if driver is None:
+        return f"{build} is built for CUDA {torch.version.cuda}, but no NVIDIA driver is loaded (libcuda.so.1)"
+    supports = f"the NVIDIA driver supports CUDA up to {driver[0]}.{driver[1]}"
+    if driver < needed:
+        return (
+            f"{build} is built for CUDA {torch.version.cuda}, but {supports}: update the driver, or install "
+            "torch built for an older CUDA"
+        )
+    return f"{build} is built for CUDA {torch.version.cuda} and {supports}, yet finds no usable GPU (see nvidia-smi)"
+
+
+def choose_device(local_rank, device="auto", environ=os.environ):
+    """This process's device for `--device` (auto, cuda or cpu). auto takes the GPU when CUDA
+    works, and the CPU when no GPU was asked for; GPUs asked for but unusable (a broken driver,
+    a torch built for a newer CUDA than the driver's, a CPU-only torch) raise DeviceError rather
+    than train every rank at CPU speed."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return pick_device(local_rank)
+    asked = "--device cuda" if device == "cuda" else gpus_requested(environ)
+    if asked:
+        raise DeviceError(
+            f"GPUs were asked for ({asked}) but CUDA is unavailable: {cuda_unavailable_reason()}; "
+            "or pass --device cpu to train on the CPU"
+        )
+    return torch.device("cpu")
+
+
+def setup_distributed(timeout_seconds=600, trace_dir=None, device="auto"):
     """Join the process group that torchrun (or srun) describes, or form a group of one.
 
     Under torchrun, RANK/LOCAL_RANK/WORLD_SIZE are set; under `srun --ntasks-per-node=G python
@@ -73,10 +146,11 @@ def setup_distributed(timeout_seconds=600, trace_dir=None):
     """
     env = process_env()
     rank, local_rank, world_size = env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]
-    if torch.cuda.is_available():
+    device = choose_device(local_rank, device)
+    if device.type == "cuda":
         # Set the device before init so NCCL binds this process to its own GPU; the global
         # rank is no device index on any node but the first.
-        device, backend = pick_device(local_rank), "nccl"
+        backend = "nccl"
         torch.cuda.set_device(device)
         if trace_dir is not None:
             Path(trace_dir).mkdir(parents=True, exist_ok=True)
@@ -84,7 +158,7 @@ def setup_distributed(timeout_seconds=600, trace_dir=None):
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
             os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{trace_dir}/rank_")
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        backend = "gloo"
     timeout = timedelta(seconds=timeout_seconds)
     # device_id: NCCL connects at init (errors surface here, not in the first all-reduce).
     device_id = device if device.type == "cuda" else None
@@ -327,6 +401,15 @@ class StopRequest:
     @property
     def requested(self):
         return self.signum != 0
+
+
+def write_stop_status(code):
+    """Tell scripts/launch.sh that training stopped on a signal, its checkpoint saved: `code` is
+    the process's exit status (128 + the signal's number), None clears it. torchrun exits 1
+    after a signal whatever its workers did; launch.sh exits with this status instead."""
+    path = os.environ.get("STOP_STATUS_FILE")
+    if path:
+        Path(path).write_text("" if code is None else f"{code}\n")
 
 
 class Watchdog:

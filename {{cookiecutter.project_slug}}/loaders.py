@@ -5,8 +5,12 @@ which samples, in which order, with which random seeds. It works unchanged for a
 Dataset of (input, target) pairs.
 """
 
+import functools
 import hashlib
+import os
 import random
+import signal
+import threading
 
 import numpy as np
 import torch
@@ -54,6 +58,33 @@ class ShardedSampler(Sampler):
         return len(range(self.start + self.rank, self.usable, self.world_size))
 
 
+# What a scheduler sends to stop a job: SIGTERM (torchrun, Kubernetes, scancel), SIGUSR1 (SLURM's
+# --signal), SIGINT (Ctrl-C). torchrun signals each training process's whole process group and
+# slurmstepd every process of a step, so DataLoader workers get them too; torch's own worker
+# handler then dies (it exits quietly only for its parent's SIGTERM), and the training process
+# fails with "DataLoader worker ... is killed by signal" instead of saving its checkpoint.
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+
+
+def ignore_stop_signals(worker_id, main_pid):
+    """worker_init_fn: a worker ignores stop signals from anyone but the training process, which
+    acts on them itself (it agrees on the stop, saves, and then shuts its loaders down).
+
+    The signals are blocked and a thread takes them with sigwaitinfo, which names the sender:
+    the training process's SIGTERM (DataLoader's own shutdown) still ends the worker at once.
+    """
+    parents = {main_pid, os.getppid()}  # the same process, unless a forkserver started us
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # threads started later inherit the mask
+    threading.Thread(target=_exit_on_parent_sigterm, args=(parents,), name="stop_signals", daemon=True).start()
+
+
+def _exit_on_parent_sigterm(parents):
+    while True:
+        info = signal.sigwaitinfo(STOP_SIGNALS)
+        if info.si_signo == signal.SIGTERM and info.si_pid in parents:
+            os._exit(0)  # as torch's handler does for its parent
+
+
 def build_loaders(cfg, ctx, train_set, val_set):
     """The training loader (ShardedSampler) and the validation loader of this rank."""
     global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
@@ -64,6 +95,7 @@ def build_loaders(cfg, ctx, train_set, val_set):
         pin_memory=ctx.device.type == "cuda",  # page-locked buffers make non_blocking copies async
         persistent_workers=cfg.num_workers > 0 and cfg.persistent_workers,
         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
+        worker_init_fn=functools.partial(ignore_stop_signals, main_pid=os.getpid()),
     )
     # `start_epoch` seeds this generator from (seed, rank, epoch); from it torch seeds every
     # worker's torch, random and numpy generators with a distinct value per worker id (once

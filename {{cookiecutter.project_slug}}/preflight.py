@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from config import parse_config
-from ddp_utils import cleanup_distributed, pick_device, process_env, setup_distributed
+from ddp_utils import choose_device, cleanup_distributed, process_env, setup_distributed
 from train import Trainer
 
 SIZES_MB = (1, 4, 16, 64, 256)
@@ -77,21 +77,21 @@ def processes_per_node():
     return int(value.split("(")[0].split(",")[0])  # SLURM may write "2(x3)" or "2,1"
 
 
-def check_gpus(env):
+def check_gpus(env, device_knob):
     """The GPUs this process sees, and the one it will train on (as setup_distributed picks it)."""
     local_world_size = processes_per_node()
-    if not torch.cuda.is_available():
-        return "no GPU visible: training will use gloo on CPU"
+    try:
+        device = choose_device(env["LOCAL_RANK"], device_knob)
+    except RuntimeError as error:  # DeviceError, or pick_device's LOCAL_RANK beyond the GPUs
+        raise PreflightError(str(error)) from None
+    if device.type == "cpu":
+        return f"no GPU asked for{' (--device cpu)' if device_knob == 'cpu' else ''}: training will use gloo on CPU"
     count = torch.cuda.device_count()
     if 1 < count < local_world_size:
         raise PreflightError(
             f"{count} GPUs visible but {local_world_size} processes on this node: lower NPROC_PER_NODE "
             "or check CUDA_VISIBLE_DEVICES"
         )
-    try:
-        device = pick_device(env["LOCAL_RANK"])
-    except RuntimeError as error:
-        raise PreflightError(str(error)) from None
     layout = "its own GPU (one visible)" if count == 1 else f"{count} GPUs visible for {local_world_size} process(es)"
     return f"{layout}: trains on {device}, {torch.cuda.get_device_name(device)}"
 
@@ -343,13 +343,13 @@ def main(argv=None):
     rank = env["RANK"]
     lines = sys.stderr if as_json else sys.stdout  # --json: stdout holds the object alone
     try:
-        for check in (check_place, check_gpus):
-            say(rank, check(env), lines)
+        say(rank, check_place(env), lines)
+        say(rank, check_gpus(env, cfg.device), lines)
         say(rank, check_network_identity(), lines)
     except PreflightError as problem:
         say(rank, f"PROBLEM: {problem}", lines)
         return 1
-    ctx = setup_distributed(cfg.timeout_seconds)
+    ctx = setup_distributed(cfg.timeout_seconds, device=cfg.device)
     try:
         say(rank, check_collective(ctx), lines)
         max_mb = int(os.environ.get("PREFLIGHT_MAX_MB", SIZES_MB[-1]))

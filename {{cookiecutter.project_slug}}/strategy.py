@@ -136,6 +136,7 @@ class DDPStrategy:
             gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             static_graph=cfg.static_graph,
             bucket_cap_mb=cfg.bucket_cap_mb,
+            broadcast_buffers=buffers_may_differ(self.module),
         )
         register_comm_hook(self.model, cfg.comm_hook)
 
@@ -231,6 +232,20 @@ class FSDPStrategy:
         # DCP reads what this rank's shards need, whatever world size wrote them.
         load_sharded_checkpoint(path, sharded, self.checkpoint_group)
         set_state_dict(self.model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
+
+
+def buffers_may_differ(module):
+    """Whether DDP must send rank 0's buffers to every rank before each forward (its default).
+
+    Only buffers that a forward can change differently on each rank need it: an unsynchronised
+    BatchNorm's running statistics, or the buffers of any module it cannot see into. A
+    synchronised BatchNorm computes the same statistics on every rank from the global batch:
+    torch.nn.SyncBatchNorm, or a module that says so with `same_buffers_on_every_rank = True`
+    (the vision task's SyncBatchNorm2d). For a model whose buffers are all such (or that has
+    none) the broadcast would only cost a collective per forward."""
+    owners = [owner for owner in module.modules() if list(owner.buffers(recurse=False))]
+    synchronised = (nn.SyncBatchNorm,)
+    return any(not (isinstance(o, synchronised) or getattr(o, "same_buffers_on_every_rank", False)) for o in owners)
 
 
 def register_comm_hook(model, name):

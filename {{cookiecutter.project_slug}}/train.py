@@ -16,6 +16,7 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dataset import build_datasets
 from ddp_utils import (
     Agreement,
     CheckpointError,
+    DeviceError,
     HostCopy,
     StopRequest,
     Watchdog,
@@ -45,6 +47,7 @@ from ddp_utils import (
     share_from_main,
     store_barrier,
     warn_main,
+    write_stop_status,
 )
 from knobs import ConfigError
 from loaders import build_loaders, mix_seed, seed_everything, start_epoch
@@ -684,6 +687,7 @@ def run(cfg, ctx):
     except Preempted as stop:
         status = "preempted"
         report("stopped by %s at step %d; checkpoint saved, run the same command to resume", stop, trainer.step)
+        write_stop_status(128 + stop.signum)
         return 128 + stop.signum
     except Exception as error:
         # The ranks are out of step. Log the root cause first, on this rank, with its
@@ -707,7 +711,15 @@ def run(cfg, ctx):
 
 def main(argv=None):
     cfg = parse_config(argv)
-    ctx = setup_distributed(cfg.timeout_seconds, trace_dir=Path(cfg.output_dir) / "nccl_trace")
+    write_stop_status(None)  # a stop of an earlier (elastic) start is not this one's
+    try:
+        ctx = setup_distributed(cfg.timeout_seconds, trace_dir=Path(cfg.output_dir) / "nccl_trace", device=cfg.device)
+    except DeviceError as error:
+        # Each node finds this alone (a broken driver may be on one node only): its first
+        # process says so, with the node's name.
+        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+            print(f"error: {socket.gethostname()}: {error}", file=sys.stderr)
+        return 2
     try:
         code = run(cfg, ctx)
     except ExitNow:

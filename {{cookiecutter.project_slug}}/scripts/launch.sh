@@ -81,5 +81,8 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 cd "$(dirname "$0")/.."
 echo "launch.sh: ${entry[*]} on $NNODES node(s) x $NPROC_PER_NODE process(es), $where," \
     "max restarts $MAX_RESTARTS, workers get ${PET_SHUTDOWN_TIMEOUT} s to stop" >&2
-exec torchrun "${rendezvous[@]}" --nproc-per-node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
-    "${entry[@]}" "$@"
+
+# torchrun through scripts/torchrun_status.py: the same torchrun, which ends a job stopped by a
+# signal (its checkpoint saved) with the workers' status on every node, 143 after SIGTERM, not 1.
+exec python3 scripts/torchrun_status.py "${rendezvous[@]}" --nproc-per-node="$NPROC_PER_NODE" \
+    --max-restarts="$MAX_RESTARTS" "${entry[@]}" "$@"

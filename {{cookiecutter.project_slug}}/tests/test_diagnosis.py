@@ -1,6 +1,7 @@
 """Hangs are diagnosed, not endured; the preflight tells before a long job what will go wrong."""
 
 import subprocess
+import sys
 import time
 
 import pytest
@@ -68,6 +69,69 @@ def test_each_process_trains_on_the_gpu_it_was_given(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(RuntimeError, match="LOCAL_RANK 3 but this process sees 2 GPUs"):
         ddp_utils.pick_device(3)
+
+
+# --- a GPU job never trains on the CPU by accident --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env, args, asked",
+    [
+        ({"CUDA_VISIBLE_DEVICES": "0"}, [], "CUDA_VISIBLE_DEVICES=0"),
+        ({"NVIDIA_VISIBLE_DEVICES": "all"}, [], "NVIDIA_VISIBLE_DEVICES=all"),
+        ({"SLURM_JOB_GPUS": "0,1"}, [], "SLURM_JOB_GPUS=0,1"),
+        ({}, ["--device", "cuda"], "--device cuda"),
+    ],
+)
+def test_gpus_asked_for_but_cuda_unusable_stops_with_one_line(tmp_path, env, args, asked):
+    """A node whose driver is broken, or whose torch cannot use it, must not 'train' at CPU speed:
+    GPUs given by the scheduler (or --device cuda) and no usable CUDA stop the run before anything
+    is written, with one line saying why. (This machine has no GPU, which plays the broken node.)"""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA works here")
+    unset = {name: "" for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "SLURM_JOB_GPUS")}
+    result = run_training(tmp_path / "run", *args, env={**unset, **env}, check=False, timeout=60)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and f"GPUs were asked for ({asked}) but CUDA is unavailable" in line
+    assert ddp_utils.cuda_unavailable_reason() in line and "--device cpu" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_device_cpu_trains_on_the_cpu_where_gpus_are_visible(tmp_path):
+    result = run_training(tmp_path, "--device", "cpu", "--max_steps", "2", env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert "training 2 steps" in result.stdout
+
+
+def test_what_counts_as_gpus_asked_for():
+    for empty in ("", "-1", "NoDevFiles", "void", "none"):  # values that hide every GPU
+        assert ddp_utils.gpus_requested({"CUDA_VISIBLE_DEVICES": empty, "NVIDIA_VISIBLE_DEVICES": empty}) is None
+    assert ddp_utils.gpus_requested({"SLURM_GPUS_ON_NODE": "0"}) is None
+    assert ddp_utils.gpus_requested({"SLURM_GPUS_ON_NODE": "4"}) == "SLURM_GPUS_ON_NODE=4"
+    assert ddp_utils.gpus_requested({"CUDA_VISIBLE_DEVICES": "GPU-5d1c"}) == "CUDA_VISIBLE_DEVICES=GPU-5d1c"
+    assert ddp_utils.gpus_requested({}) is None
+
+
+def test_why_cuda_is_unusable_names_the_versions(monkeypatch):
+    """A wheel built for a newer CUDA than the driver supports, and a node without a driver."""
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(ddp_utils, "cuda_driver_version", lambda: (12, 2))
+    reason = ddp_utils.cuda_unavailable_reason()
+    assert "built for CUDA 12.8, but the NVIDIA driver supports CUDA up to 12.2" in reason
+    monkeypatch.setattr(ddp_utils, "cuda_driver_version", lambda: None)
+    assert "no NVIDIA driver is loaded" in ddp_utils.cuda_unavailable_reason()
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "CPU-only build" in ddp_utils.cuda_unavailable_reason()
+
+
+def test_preflight_reports_gpus_asked_for_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA works here")
+    command = [sys.executable, "preflight.py", *TINY]
+    result = subprocess.run(command, cwd=PROJECT, env=training_env({"CUDA_VISIBLE_DEVICES": "0,1"}),
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 1
+    assert "PROBLEM: GPUs were asked for (CUDA_VISIBLE_DEVICES=0,1) but CUDA is unavailable" in result.stdout
 
 
 def test_slurm_job_ports_stay_below_the_ephemeral_range():

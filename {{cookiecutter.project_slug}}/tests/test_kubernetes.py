@@ -1,9 +1,10 @@
 """Kubernetes (k8s/, Dockerfile): what can be checked without a cluster.
 
 No image is built and no cluster is used here. The manifests are parsed and checked for what
-a multi-node job needs; then the container's command, as the manifests give it, runs on two
-hosts (network namespaces, tests/netns.py) under exactly the environment each controller
-injects, and must train bit for bit like one node with two processes:
+a multi-node job needs (the TrainJob in Kubeflow Trainer v2.3's structure, the JobSet's
+preemption policy, RDMA's IPC_LOCK); then the container's command, as the manifests give it,
+runs on two hosts (network namespaces, tests/netns.py) under exactly the environment each
+controller injects, and must train bit for bit like one node with two processes:
 - Kubeflow Trainer v2: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and
   PET_MASTER_PORT, the master being node 0's pod name (<trainjob>-node-0-0.<trainjob>);
 - the JobSet: the manifest's own env, plus JOB_COMPLETION_INDEX, with the headless service's
@@ -33,6 +34,14 @@ def trainjob():
     return manifest("trainjob.yaml")
 
 
+def trainjob_pod_patch():
+    """The pod spec that the TrainJob's runtime patch (Trainer v2.3) gives the `node` job."""
+    (patch,) = trainjob()["spec"]["runtimePatches"]
+    (job,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert job["name"] == "node"  # the torch-distributed runtime's trainer job
+    return job["template"]["spec"]["template"]["spec"]
+
+
 def jobset_container():
     job = manifest("jobset.yaml")["spec"]["replicatedJobs"][0]["template"]["spec"]
     return job, job["template"]["spec"]
@@ -50,13 +59,12 @@ def test_trainjob_runs_on_the_torch_runtime_with_gpus_shm_and_the_checkpoint_vol
     trainer = spec["trainer"]
     assert trainer["numNodes"] >= 1 and trainer["numProcPerNode"] >= 1
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == trainer["numProcPerNode"]
-    (override,) = spec["podTemplateOverrides"]
-    assert override["targetJobs"] == [{"name": "node"}]
-    (container,) = override["spec"]["containers"]
-    assert container["name"] == "node"
-    assert_shm_and_checkpoints(override["spec"], container, trainer["args"])
-    grace = override["spec"]["terminationGracePeriodSeconds"]
-    assert env_values(trainer["env"])["STOP_GRACE_SECONDS"] == str(grace)
+    pod = trainjob_pod_patch()
+    (container,) = pod["containers"]
+    assert container["name"] == "node"  # the runtime's trainer container
+    assert_shm_and_checkpoints(pod, container, trainer["args"])
+    assert_ipc_lock(container)
+    assert env_values(trainer["env"])["STOP_GRACE_SECONDS"] == str(pod["terminationGracePeriodSeconds"])
 
 
 def test_jobset_is_one_indexed_job_with_node_0_at_a_stable_name():
@@ -73,6 +81,28 @@ def test_jobset_is_one_indexed_job_with_node_0_at_a_stable_name():
     assert env["STOP_GRACE_SECONDS"] == str(pod["terminationGracePeriodSeconds"])
     assert pod["restartPolicy"] == "Never"
     assert_shm_and_checkpoints(pod, container, container["args"])
+    assert_ipc_lock(container)
+
+
+def test_jobset_restarts_after_a_preemption_without_counting_it():
+    """launch.sh exits 143 (128 + SIGTERM) once the workers have checkpointed: the Job fails by
+    its podFailurePolicy, and JobSet restarts the set without counting toward maxRestarts."""
+    job, pod = jobset_container()
+    (container,) = pod["containers"]
+    rules = job["podFailurePolicy"]["rules"]
+    on_exit = {"containerName": container["name"], "operator": "In", "values": [143]}
+    assert {"action": "FailJob", "onExitCodes": on_exit} in rules
+    assert job["backoffLimit"] == 0  # any other failure fails the Job: BackoffLimitExceeded
+    policy = manifest("jobset.yaml")["spec"]["failurePolicy"]
+    (rule,) = [rule for rule in policy["rules"] if "PodFailurePolicy" in rule.get("onJobFailureReasons", [])]
+    assert rule["action"] == "RestartJobSetAndIgnoreMaxRestarts"
+    assert all(rule.get("onJobFailureReasons") for rule in policy["rules"])  # BackoffLimitExceeded: counted
+    assert policy["maxRestarts"] >= 1
+
+
+def assert_ipc_lock(container):
+    """NCCL's InfiniBand/RoCE transport pins memory: the container may lock it."""
+    assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
 
 
 def assert_shm_and_checkpoints(pod, container, args):
@@ -86,12 +116,20 @@ def assert_shm_and_checkpoints(pod, container, args):
     assert "ReadWriteMany" in manifest("pvc.yaml")["spec"]["accessModes"]
 
 
-def test_dockerfile_has_a_cuda_base_the_pinned_torch_and_the_project():
+def test_dockerfile_has_a_slim_base_torch_for_one_cuda_the_rdma_libraries_and_the_project():
+    """The torch wheel brings its CUDA libraries: a slim base, and torch from PyTorch's index of
+    the CUDA version the build argument names."""
     text = (PROJECT / "Dockerfile").read_text()
-    assert re.search(r"^FROM nvidia/cuda:\S+", text, re.MULTILINE)
-    (pinned,) = re.findall(r"torch==([\d.]+)", text)
+    (base,) = re.findall(r"^FROM (\S+)", text, re.MULTILINE)
+    assert base.startswith("python:") and "slim" in base, base
+    (cuda,) = re.findall(r"^ARG CUDA=(cu\d+)$", text, re.MULTILINE)
+    (install,) = [line for line in text.splitlines() if re.search(r"pip install .*\btorch==", line)]
+    (pinned,) = re.findall(r"torch==([\d.]+)\s", install)
     assert pinned == torch.__version__.split("+")[0]  # the torch these tests run on
-    assert "COPY . ." in text and "pip install --no-cache-dir ." in text
+    assert "--index-url https://download.pytorch.org/whl/${CUDA}" in install, (install, cuda)
+    (apt,) = [line for line in text.splitlines() if "apt-get install" in line]
+    assert {"iproute2", "libibverbs1", "ibverbs-providers", "librdmacm1"} <= set(apt.split())
+    assert "COPY . ." in text and "pip install --no-cache-dir .\n" in text
     assert trainjob()["spec"]["trainer"]["command"] == ["scripts/launch.sh"]
 
 

@@ -115,9 +115,9 @@ def elastic_env(hosts):
     return {**env, "GLOO_SOCKET_IFNAME": hosts.ifname, "PYTHONPATH": "tests", "DDP_PROBE": "slow_loss"}
 
 
-def start_elastic_node(hosts, node, output_dir, logs_dir):
+def start_elastic_node(hosts, node, output_dir, logs_dir, workers=0):
     log = open(Path(logs_dir) / f"node{node}.log", "w")
-    command = [LAUNCH, *ELASTIC, "--output_dir", str(output_dir)]
+    command = [LAUNCH, *ELASTIC, "--num_workers", str(workers), "--output_dir", str(output_dir)]
     return hosts.popen(node, command, env=elastic_env(hosts), cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -145,12 +145,13 @@ def assert_epochs_once_and_lr_on_course(output_dir):
 
 def test_elastic_job_takes_in_a_host_that_joins_mid_run(hosts, tmp_path):
     """Host 0 trains alone (world size 1); host 1 joins at step 8. torchrun stops host 0's
-    worker (SIGTERM: a mid-epoch checkpoint) and starts both; the group of two resumes it with
-    twice the global batch, and the job completes."""
+    worker (SIGTERM to its process group, DataLoader workers included: a mid-epoch checkpoint)
+    and starts both; the group of two resumes it with twice the global batch, and the job
+    completes. (The host-lost test below runs without DataLoader workers.)"""
     output_dir, logs = tmp_path / "run", [tmp_path / "node0.log", tmp_path / "node1.log"]
-    first = start_elastic_node(hosts, 0, output_dir, tmp_path)
+    first = start_elastic_node(hosts, 0, output_dir, tmp_path, workers=2)
     wait_for_checkpoint(output_dir, 8, [first], logs[:1])
-    second = start_elastic_node(hosts, 1, output_dir, tmp_path)
+    second = start_elastic_node(hosts, 1, output_dir, tmp_path, workers=2)
     processes = [first, second]
     codes = [p.wait(timeout=TIMEOUT) for p in processes]
     assert codes == [0, 0], describe(processes, logs)

@@ -56,18 +56,24 @@ def log_of(output_dir):
     return (output_dir.parent / f"{output_dir.name}.log").read_text()
 
 
-def test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact(reference, tmp_path, start_training):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact(reference, tmp_path, start_training, workers):
     """SIGTERM (schedulers, Kubernetes) reaches every worker through torchrun; they agree on
-    it at the next step, save and exit within seconds; the same command resumes exactly."""
+    it at the next step, save and exit within seconds; the same command resumes exactly.
+
+    torchrun signals each worker's whole process group, DataLoader workers included (as
+    slurmstepd and a pod's stop do): they must keep loading until the checkpoint is saved."""
     output_dir = tmp_path / "run"
-    process = start_training(output_dir, *ARGS, *TWO)
+    loading = ["--num_workers", str(workers)]
+    process = start_training(output_dir, *ARGS, *TWO, *loading)
     wait_for(checkpoint(output_dir, 20), process)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) != 0
-    assert "stopped by SIGTERM at step" in log_of(output_dir)
+    log = log_of(output_dir)
+    assert "stopped by SIGTERM at step" in log and "killed by signal" not in log, log
     step, epoch, batches_done = saved_step(output_dir)
     assert step > 20 and epoch == 1 and batches_done == step - 16  # past the last epoch boundary
-    run_training(output_dir, *ARGS, *TWO, nproc=2)  # the same command again
+    run_training(output_dir, *ARGS, *TWO, *loading, nproc=2)  # the same command again
     assert_same_parameters(output_dir, reference.two)
     assert_same_metrics(output_dir, reference.two)
 
@@ -81,7 +87,7 @@ def test_sigusr1_through_the_launch_script_checkpoints_and_exits(tmp_path):
     try:
         wait_for(checkpoint(tmp_path / "run", 8), process)
         process.send_signal(signal.SIGUSR1)
-        assert process.wait(timeout=30) != 0
+        assert process.wait(timeout=30) == 128 + signal.SIGUSR1  # stopped on a signal, checkpoint saved
     finally:
         kill_tree(process.pid)
         process.wait()
@@ -89,6 +95,38 @@ def test_sigusr1_through_the_launch_script_checkpoints_and_exits(tmp_path):
     assert "stopped by SIGUSR1 at step" in output, output
     step, _, _ = saved_step(tmp_path / "run")
     assert 8 <= step < 1600
+
+
+def test_sigterm_to_one_node_stops_every_node_with_the_preemption_status(reference, tmp_path):
+    """A pod evicted, one node of two drained: SIGTERM reaches one node's launch.sh (and, through
+    torchrun, its DataLoader workers). Every rank agrees to stop and saves; both nodes exit 143,
+    the status a scheduler tells a preemption by (k8s/jobset.yaml), not torchrun's 1; the run
+    resumes exactly on one node."""
+    port = free_port()
+    common = {"NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+              "RDZV_ENDPOINT": "", "MAX_RESTARTS": "0", "PYTHONPATH": "tests", "DDP_PROBE": "slow_loss"}  # fmt: skip
+    output_dir, loading = tmp_path / "run", ["--num_workers", "2"]
+    command = ["scripts/launch.sh", *TINY, *ARGS, *TWO, *loading, "--output_dir", str(output_dir)]
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    nodes = []
+    try:
+        for rank, log in enumerate(logs):
+            env = training_env({**common, "NODE_RANK": str(rank)})
+            nodes.append(subprocess.Popen(command, cwd=PROJECT, env=env, stdout=open(log, "w"),
+                                          stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+        wait_for(checkpoint(output_dir, 8), nodes[0])
+        nodes[1].send_signal(signal.SIGTERM)
+        codes = [node.wait(timeout=60) for node in nodes]
+    finally:
+        for node in nodes:
+            kill_tree(node.pid)
+            node.wait()
+    output = "".join(log.read_text() for log in logs)
+    assert codes == [128 + signal.SIGTERM] * 2, output
+    assert "stopped by SIGTERM at step" in output and "killed by signal" not in output, output
+    run_training(output_dir, *ARGS, *TWO, *loading, nproc=2)
+    assert_same_parameters(output_dir, reference.two)
+    assert_same_metrics(output_dir, reference.two)
 
 
 def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(reference, tmp_path, start_training):

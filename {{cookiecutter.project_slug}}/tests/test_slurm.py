@@ -43,11 +43,11 @@ def job_env(slurm, nproc):
     return slurm.env({"NPROC_PER_NODE": nproc, "OMP_NUM_THREADS": 1}, path_first=[Path(sys.executable).parent])
 
 
-def sbatch_args(folder, name, *options):
+def sbatch_args(folder, name, *options, train_args=()):
     """sbatch arguments for scripts/slurm.sbatch on the CPU nodes: output in folder/name, log in folder/name.out."""
     script = str(SBATCH.relative_to(PROJECT))
     options = [*options, "--gpus-per-node=0", f"--job-name={name}", f"--output={folder / name}.out"]
-    return [*options, script, *ARGS, "--output_dir", str(folder / name)]
+    return [*options, script, *ARGS, *train_args, "--output_dir", str(folder / name)]
 
 
 def run_batch_job(slurm, folder, name, *options, nproc):
@@ -132,10 +132,14 @@ def wait_through_requeue(slurm, job_id, timeout=JOB_TIMEOUT):
     return job
 
 
-def test_sigusr1_checkpoints_requeues_and_the_job_resumes_exactly(slurm, batch_job, tmp_path):
-    """What --signal=B:USR1@90 does before the time limit, sent now with scancel."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigusr1_checkpoints_requeues_and_the_job_resumes_exactly(slurm, batch_job, tmp_path, workers):
+    """What --signal=B:USR1@90 does before the time limit, sent now with scancel. torchrun passes
+    SIGUSR1 to each worker's process group: DataLoader workers, whose default action on it is
+    to die, must keep loading until the checkpoint is saved."""
     assert_succeeded(batch_job, slurm)
-    job_id = slurm.sbatch(sbatch_args(tmp_path, "preempted", "--nodes=1"), env=job_env(slurm, 2), cwd=PROJECT)
+    args = sbatch_args(tmp_path, "preempted", "--nodes=1", train_args=["--num_workers", str(workers)])
+    job_id = slurm.sbatch(args, env=job_env(slurm, 2), cwd=PROJECT)
     output_dir, log = tmp_path / "preempted", tmp_path / "preempted.out"
     wait_for_file(output_dir / "checkpoints" / "last.pt", slurm, job_id)
     slurm.run(["scancel", "--signal=USR1", "--batch", str(job_id)])

@@ -104,8 +104,9 @@ class ResNet(nn.Module):
 # The DDP pitfall: BatchNorm normalises with the statistics of the batch it sees, and under DDP
 # that is each process's share, not the global batch. With small per-process batches the
 # statistics are noisy, and the model trained on N processes is not the one trained on one.
-# torch.nn.SyncBatchNorm fixes that on GPUs only (it refuses CPU tensors), so here is the same
-# arithmetic in plain tensor ops: it runs on any device and any backend (gloo, NCCL).
+# torch.nn.SyncBatchNorm fixes that with fused kernels, on GPUs only: it (and DDP, which checks
+# for it) refuses CPU tensors. So where the model trains on the CPU (gloo), here is the same
+# arithmetic in plain tensor ops (build_model picks one of the two).
 
 
 class SyncBatchNorm2d(nn.BatchNorm2d):
@@ -113,8 +114,12 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
 
     Evaluation, a single process and the meta device (FLOP counting) use plain BatchNorm2d:
     there is nothing to synchronise. The parameters and buffers are BatchNorm2d's, so a
-    checkpoint loads with sync_batchnorm on or off.
+    checkpoint loads with sync_batchnorm on or off, and on GPUs or not.
     """
+
+    # Running statistics of the global batch: the same on every rank, so DDP need not
+    # broadcast rank 0's before each forward (strategy.buffers_may_differ).
+    same_buffers_on_every_rank = True
 
     def forward(self, x):
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -181,7 +186,10 @@ def sync_batchnorms(module):
 def build_model(cfg):
     model = ResNet(cfg.num_classes, cfg.width, cfg.depth, cfg.channels_last)
     if cfg.sync_batchnorm:
-        model = sync_batchnorms(model)
+        # Where the model trains on GPUs (--device, ddp_utils.choose_device), torch's fused
+        # SyncBatchNorm; on the CPU the hand-written one.
+        on_gpus = cfg.device != "cpu" and torch.cuda.is_available()
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if on_gpus else sync_batchnorms(model)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model

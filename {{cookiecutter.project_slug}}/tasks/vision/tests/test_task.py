@@ -10,6 +10,8 @@ from conftest import DATA, PROJECT, load_final_model, read_metrics, run_training
 
 from config import Config
 from dataset import build_datasets
+from model import SyncBatchNorm2d, build_model
+from strategy import buffers_may_differ
 
 pytestmark = pytest.mark.fixed_amp
 
@@ -63,6 +65,24 @@ def test_batch_statistics_are_global_only_with_sync_batchnorm(tmp_path):
     one, two = load_final_model(tmp_path / "one"), load_final_model(tmp_path / "two")
     difference = max(((one[k] - two[k]).norm() / one[k].norm().clamp_min(1e-12)).item() for k in one if one[k].dim())
     assert difference > 1e-3
+
+
+def test_sync_batchnorm_is_torchs_on_gpus_and_ddp_resends_buffers_only_without_it(monkeypatch):
+    """With sync_batchnorm, where the model trains on GPUs every BatchNorm is torch.nn.SyncBatchNorm
+    (fused kernels); on the CPU, where torch's refuses, the hand-written SyncBatchNorm2d. Either
+    way the running statistics come from the global batch, equal on every rank: DDP need not
+    broadcast rank 0's before each forward. Without sync_batchnorm each rank's differ, and DDP
+    keeps broadcasting them."""
+    digits = str(DATA / "digits")
+    for gpus, device, expected in ((False, "auto", SyncBatchNorm2d), (True, "auto", torch.nn.SyncBatchNorm),
+                                   (True, "cpu", SyncBatchNorm2d)):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpus=gpus: gpus)
+        model = build_model(Config(data_dir=digits, device=device).resolved())
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        assert norms and all(type(m) is expected for m in norms), (gpus, device)
+        assert not buffers_may_differ(model)
+    model = build_model(Config(data_dir=digits, sync_batchnorm=False).resolved())
+    assert buffers_may_differ(model)
 
 
 def test_augmentation_depends_on_seed_epoch_and_index_only():

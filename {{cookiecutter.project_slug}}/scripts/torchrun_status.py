@@ -1,0 +1,40 @@
+"""torchrun as scripts/launch.sh runs it: the same arguments and behaviour, but a job stopped by
+a signal with its checkpoint saved ends with the workers' exit status on every node: 128 + the
+signal's number, 143 after SIGTERM (Kubernetes, scancel), 138 after SIGUSR1 (SLURM's --signal).
+
+torchrun itself exits 1 after a signal, and so do the other nodes, whose workers stopped because
+the ranks agreed to: a scheduler could not tell a preemption from a crash (k8s/jobset.yaml
+restarts the job after a preemption without counting it as a failure). The workers write their
+status to STOP_STATUS_FILE (train.py); this process runs torchrun in-process, so it receives
+the signals exactly as torchrun does, and exits with that status.
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main as torchrun
+
+
+def main(argv):
+    fd, path = tempfile.mkstemp(prefix="torchrun-stop-status-")
+    os.close(fd)
+    os.environ["STOP_STATUS_FILE"] = path  # the workers inherit it
+    try:
+        torchrun(argv)
+    except (SignalException, ChildFailedError):
+        status = Path(path).read_text().strip()
+        if not status:  # not a stop with a checkpoint: torchrun's own error and status
+            raise
+        print(f"torchrun_status.py: training stopped with status {status}, its checkpoint saved", file=sys.stderr)
+        return int(status)
+    finally:
+        os.unlink(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
