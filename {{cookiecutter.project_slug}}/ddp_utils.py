@@ -134,6 +134,16 @@ def choose_device(local_rank, device="auto", environ=os.environ):
     return torch.device("cpu")
 
 
+def set_tf32(enabled):
+    """TF32 (Ampere and newer GPUs) for float32 matmuls and convolutions, or full float32, through
+    torch's `fp32_precision` settings. The legacy TF32 flags (torch.backends.*.allow_*) must not
+    be used beside them: torch refuses to read a mix of the two APIs (inductor reads the new one)."""
+    precision = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision
+    torch.backends.cudnn.rnn.fp32_precision = precision
+
+
 def setup_distributed(timeout_seconds=600, trace_dir=None, device="auto"):
     """Join the process group that torchrun (or srun) describes, or form a group of one.
 
@@ -542,19 +552,23 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def load_checkpoint(path, device):
+def load_checkpoint(path):
     """Load one checkpoint; a damaged or foreign one raises CheckpointError naming it.
 
     A file (--strategy ddp) is the whole state. A folder (--strategy fsdp) gives the trainer's
     state only, after checking that every shard its metadata names is there in full; the
     model and optimizer shards are read later, by every rank (load_sharded_checkpoint).
+
+    The file is memory-mapped on the host, not read: each process copies what it needs from
+    it (onto its GPU, with load_state_dict), and the pages are the operating system's file
+    cache, shared by the processes of a node; nothing is first put whole on any GPU.
     """
     path = Path(path)
     try:
         if path.is_dir():
             check_sharded_checkpoint(path)
             path = path / "trainer.pt"
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as error:  # truncated zip, unpickling error, wrong format, I/O error
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(error).__name__}: {error})") from None
 
@@ -567,7 +581,7 @@ def checkpoint_candidates(checkpoint_dir):
     return last + numbered
 
 
-def load_latest_checkpoint(checkpoint_dir, device, sharded=False):
+def load_latest_checkpoint(checkpoint_dir, sharded=False):
     """The newest readable checkpoint in `checkpoint_dir`, skipping damaged ones with a warning:
     files, or with `sharded` folders (--strategy fsdp).
 
@@ -585,7 +599,7 @@ def load_latest_checkpoint(checkpoint_dir, device, sharded=False):
         )
     for path in candidates:
         try:
-            return load_checkpoint(path, device), path
+            return load_checkpoint(path), path
         except CheckpointError as error:
             warn_main(f"{error}; trying an older checkpoint")
     if candidates:
@@ -629,11 +643,12 @@ class PendingCheckpoint:
             raise CheckpointError(error)
 
 
-def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, keep, timeout_seconds, group, wait):
+def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, keep, timeout_seconds, group, stager):
     """Start writing a sharded checkpoint on every rank; returns the PendingCheckpoint to finish.
 
-    With `wait` false, DCP copies the shards to memory and writes them in a thread (on
-    `group`, a process group of its own) while training goes on.
+    With a `stager` (DCP's AsyncStager), DCP copies the shards into its host buffers and writes
+    them in a thread (on `group`, a process group of its own) while training goes on; without,
+    it writes them before returning.
     """
     import torch.distributed.checkpoint as dcp  # here, not at the top: see check_sharded_checkpoint
 
@@ -646,10 +661,10 @@ def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, k
         raise CheckpointError(error)
     future = None
     try:
-        if wait:
+        if stager is None:
             dcp.save(sharded, checkpoint_id=str(tmp), process_group=group)
         else:
-            future = dcp.async_save(sharded, checkpoint_id=str(tmp), process_group=group)
+            future = dcp.async_save(sharded, checkpoint_id=str(tmp), process_group=group, async_stager=stager)
     except Exception as failure:  # DCP's CheckpointException: every rank sees the same
         raise CheckpointError(f"could not write checkpoint {final}: {_first_line(failure)}") from None
     return PendingCheckpoint(ctx, future, tmp, final, keep, timeout_seconds)
@@ -705,6 +720,14 @@ def check_sharded_checkpoint(path):
         shard = Path(path) / info.relative_path
         if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
             raise ValueError(f"shard {shard.name} is missing or cut short")
+
+
+def sharded_param_groups(path):
+    """How many optimizer parameter groups the sharded checkpoint at `path` holds."""
+    import torch.distributed.checkpoint as dcp  # here, not at the top: see check_sharded_checkpoint
+
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return len({key.split(".")[2] for key in keys if key.startswith("optimizer.param_groups.")})
 
 
 def load_sharded_checkpoint(path, sharded, group):

@@ -24,7 +24,7 @@ from model import build_model
 
 def consolidated(path):
     """{"model": the whole state dict, "config": the run's Config fields} of a checkpoint."""
-    state = load_checkpoint(path, "cpu")  # a folder gives the trainer's state: config, steps
+    state = load_checkpoint(path)  # a folder gives the trainer's state: config, steps
     if "model" in state:
         return {"model": state["model"], "config": state["config"]}
     try:

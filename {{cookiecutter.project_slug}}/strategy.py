@@ -21,7 +21,14 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_utils import CheckpointError, load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint
+from ddp_utils import (
+    CheckpointError,
+    load_sharded_checkpoint,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    sharded_param_groups,
+    warn_main,
+)
 from loaders import mix_seed
 from model import build_model
 
@@ -158,10 +165,14 @@ class DDPStrategy:
         if "model" not in state:
             raise CheckpointError(f"checkpoint {path} is sharded (--strategy fsdp): resume it with --strategy fsdp")
         self.module.load_state_dict(state["model"])  # unwrapped: no "module." prefix
-        optimizer.load_state_dict(state["optimizer"])
+        parameters = list(self.module.parameters())
+        optimizer.load_state_dict(regroup_optimizer_state(state["optimizer"], optimizer, parameters, path))
 
     def wait_for_checkpoint(self):
         pass  # saves are synchronous
+
+    def close(self):
+        pass
 
 
 class FSDPStrategy:
@@ -190,6 +201,18 @@ class FSDPStrategy:
         timeout = timedelta(seconds=cfg.checkpoint_timeout_seconds)  # a slow file system, not a dead peer
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
         self.pending = None
+        self.stager = None
+        if cfg.async_checkpoint:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # An asynchronous save first copies the shards to host memory (then training goes on
+            # while a thread writes them): into the same buffers every time, page-locked on GPUs
+            # for fast copies, instead of memory allocated afresh for each save. The copy itself
+            # is blocking: the next optimizer step must not change what is being copied.
+            cuda = ctx.device.type == "cuda"
+            options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                     use_non_blocking_copy=False)  # fmt: skip
+            self.stager = DefaultStager(options)
 
     def sync_gradients(self, sync):
         """Reduce-scatter only on the last micro-step; until then each rank sums locally."""
@@ -210,8 +233,7 @@ class FSDPStrategy:
         model_state, optimizer_state = get_state_dict(self.model, optimizer)
         self.pending = save_sharded_checkpoint(
             self.ctx, {"model": model_state, "optimizer": optimizer_state}, state, checkpoint_dir,
-            state["step"], cfg.keep_checkpoints, cfg.checkpoint_timeout_seconds, self.checkpoint_group,
-            wait=not cfg.async_checkpoint,
+            state["step"], cfg.keep_checkpoints, cfg.checkpoint_timeout_seconds, self.checkpoint_group, self.stager,
         )  # fmt: skip
         if not cfg.async_checkpoint:
             self.wait_for_checkpoint()
@@ -222,6 +244,11 @@ class FSDPStrategy:
         if pending is not None:
             pending.finish()
 
+    def close(self):
+        """Release the staging buffers (a save in flight keeps what it writes from)."""
+        if self.stager is not None:
+            self.stager.close()
+
     def load(self, state, path, optimizer):
         if "model" in state:
             raise CheckpointError(f"checkpoint {path} is one file (--strategy ddp): resume it with --strategy ddp")
@@ -229,8 +256,17 @@ class FSDPStrategy:
 
         model_state, optimizer_state = get_state_dict(self.model, optimizer)
         sharded = {"model": model_state, "optimizer": optimizer_state}
+        ours = optimizer_state["param_groups"]
+        # Saved before build_optimizer's two groups: read it as the one group it has. The state
+        # is keyed by parameter name, so only the groups' settings differ: this run's are kept.
+        one_group = len(ours) > 1 and sharded_param_groups(path) == 1
+        if one_group:
+            optimizer_state["param_groups"] = [{**ours[0], "params": [name for g in ours for name in g["params"]]}]
         # DCP reads what this rank's shards need, whatever world size wrote them.
         load_sharded_checkpoint(path, sharded, self.checkpoint_group)
+        if one_group:
+            sharded["optimizer"]["param_groups"] = ours
+            warn_main(ONE_GROUP_NOTE.format(path=path))
         set_state_dict(self.model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
 
 
@@ -246,6 +282,46 @@ def buffers_may_differ(module):
     owners = [owner for owner in module.modules() if list(owner.buffers(recurse=False))]
     synchronised = (nn.SyncBatchNorm,)
     return any(not (isinstance(o, synchronised) or getattr(o, "same_buffers_on_every_rank", False)) for o in owners)
+
+
+# --- the optimizer ------------------------------------------------------------------------
+
+
+def build_optimizer(model, cfg, device):
+    """AdamW over the model's parameters as the strategy left them (FSDP's are the local shards),
+    in two groups: weight decay on matrices, convolution kernels and embeddings (2 or more
+    dimensions) only; biases and normalisation weights never decay, as in nanoGPT and
+    torchtitan (decaying a LayerNorm gain towards 0 fights what it is there for). On CUDA the
+    fused implementation: one kernel for all parameters (FSDP2's DTensors included)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, fused=device.type == "cuda")
+
+
+ONE_GROUP_NOTE = (
+    "checkpoint {path} was saved with weight decay on every parameter: resuming with its optimizer state, "
+    "biases and normalisation weights no longer decay"
+)
+
+
+def regroup_optimizer_state(saved, optimizer, parameters, path):
+    """An optimizer state saved before the two parameter groups of build_optimizer (one group of
+    every parameter, in the model's order), as this optimizer's groups hold the same parameters;
+    `parameters`: the model's, in its order. The state (Adam's moments, step) carries over;
+    the groups' settings are this run's. Any other saved state is returned as it is."""
+    if len(saved["param_groups"]) != 1 or len(optimizer.param_groups) == 1:
+        return saved
+    old_index = {id(p): i for i, p in enumerate(parameters)}
+    ours = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(ours) != len(parameters) or len(saved["param_groups"][0]["params"]) != len(parameters):
+        raise CheckpointError(f"checkpoint {path} has an optimizer state for other parameters than this model's")
+    warn_main(ONE_GROUP_NOTE.format(path=path))
+    new_index = {old_index[id(p)]: i for i, p in enumerate(ours)}
+    state = {new_index[i]: value for i, value in saved["state"].items()}
+    return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
 
 
 def register_comm_hook(model, name):

@@ -42,6 +42,7 @@ from ddp_utils import (
     load_checkpoint,
     load_latest_checkpoint,
     rank_zero_only,
+    set_tf32,
     setup_distributed,
     setup_logging,
     share_from_main,
@@ -62,7 +63,7 @@ from metrics import (
 )
 from model import SHAPE_FIELDS
 from profiling import StepProfiler
-from strategy import AMP_DTYPES, build_strategy, model_state_bytes
+from strategy import AMP_DTYPES, build_optimizer, build_strategy, model_state_bytes
 from trackers import missing_package
 
 log = logging.getLogger("train")
@@ -194,13 +195,12 @@ class Trainer:
         # random it does.
         if ctx.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels once
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
+            set_tf32(cfg.tf32)
         seed_everything(cfg.seed)
         self.strategy = build_strategy(cfg, ctx)
         self.model = self.strategy.model
         seed_everything(mix_seed(cfg.seed, ctx.rank))
-        # Built on the model's parameters as the strategy left them: FSDP's are the local shards.
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = build_optimizer(self.model, cfg, ctx.device)
         self.amp_dtype = AMP_DTYPES[cfg.amp]
         # fp16 needs loss scaling; for bf16 and none the scaler is a no-op pass-through.
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.amp == "fp16")
@@ -282,7 +282,7 @@ class Trainer:
             return
         if state is None:
             try:
-                state = load_checkpoint(Path(path), ctx.device)
+                state = load_checkpoint(Path(path))
             except CheckpointError as failure:
                 error = str(failure)
         error = store_barrier(ctx, "resume_loaded", error, cfg.checkpoint_timeout_seconds)
@@ -294,9 +294,9 @@ class Trainer:
         """(path or None, error or None, state or None), decided by rank 0 alone."""
         try:
             if self.cfg.resume == "auto":
-                state, path = load_latest_checkpoint(self.checkpoint_dir, self.ctx.device, self.strategy.sharded)
+                state, path = load_latest_checkpoint(self.checkpoint_dir, self.strategy.sharded)
                 return (str(path) if path else None), None, state
-            return self.cfg.resume, None, load_checkpoint(Path(self.cfg.resume), self.ctx.device)
+            return self.cfg.resume, None, load_checkpoint(Path(self.cfg.resume))
         except CheckpointError as error:
             return None, str(error), None
 
@@ -663,6 +663,7 @@ class Trainer:
         if status != "crashed":  # stopping waits for collectives in flight, maybe with a peer that is gone
             self.profiler.stop()
         self.reporter.close(status)
+        self.strategy.close()
 
 
 def run(cfg, ctx):

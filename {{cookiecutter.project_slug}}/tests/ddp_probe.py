@@ -316,11 +316,39 @@ def record_initial_weights():
     train.Trainer.resume = resume
 
 
+def single_param_group():
+    """The optimizer of earlier versions: AdamW with one group, weight decay on every parameter
+    (checkpoints written this way must still resume)."""
+
+    def build_optimizer(model, cfg, device):
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    train.build_optimizer = build_optimizer
+
+
+def record_staging():
+    """Print, per asynchronous sharded save, the host buffers DCP's stager copied the shards into."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    original = DefaultStager.stage
+    saves = []
+
+    def stage(self, state_dict, **kwargs):
+        staged = original(self, state_dict, **kwargs)
+        tensors = [t for t in torch.utils._pytree.tree_leaves(staged) if isinstance(t, torch.Tensor)]
+        saves.append(sorted(t.data_ptr() for t in tensors))
+        return staged
+
+    DefaultStager.stage = stage
+    return lambda: probe_print(staging_buffers=saves)
+
+
 PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write, record_initial_weights)
+    + (single_param_group, record_staging)
 }
 
 if __name__ == "__main__":

@@ -134,6 +134,23 @@ def test_preflight_reports_gpus_asked_for_without_cuda():
     assert "PROBLEM: GPUs were asked for (CUDA_VISIBLE_DEVICES=0,1) but CUDA is unavailable" in result.stdout
 
 
+def test_tf32_is_set_through_torchs_fp32_precision_api_only():
+    """--tf32 sets torch's fp32_precision for CUDA matmuls and convolutions, and nothing in the
+    project uses the legacy allow_tf32 flags, which torch refuses to read beside the new API.
+    (A fresh process: the settings are global.)"""
+    check = (
+        "import torch, ddp_utils\n"
+        "for enabled, precision in ((True, 'tf32'), (False, 'ieee')):\n"
+        "    ddp_utils.set_tf32(enabled)\n"
+        "    assert torch.backends.cuda.matmul.fp32_precision == precision\n"
+        "    assert torch.backends.cudnn.conv.fp32_precision == precision\n"
+    )
+    result = subprocess.run([sys.executable, "-c", check], cwd=PROJECT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    legacy = [str(p) for p in PROJECT.rglob("*.py") if "allow_tf32" in p.read_text() and p.name != "test_diagnosis.py"]
+    assert legacy == []
+
+
 def test_slurm_job_ports_stay_below_the_ephemeral_range():
     ports = [ddp_utils.job_port(job_id) for job_id in range(0, 200_000, 7)]
     assert min(ports) >= 20000 and max(ports) < 32768

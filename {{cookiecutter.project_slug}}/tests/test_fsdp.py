@@ -3,10 +3,12 @@ that resume exactly after SIGTERM and on another world size, past a damaged shar
 one-file export for sample.py, predict.py and sharing."""
 
 import functools
+import json
 import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import task
@@ -154,11 +156,12 @@ def test_export_writes_one_weights_only_file_with_the_run_validation_loss(runs, 
 
 def test_sigterm_under_fsdp_saves_shards_and_resume_is_exact(runs, tmp_path):
     """SIGTERM to torchrun: the ranks agree, finish the (asynchronous) sharded save and exit;
-    the same command resumes, bit for bit the uninterrupted run."""
+    the same command resumes, bit for bit the uninterrupted run. Every asynchronous save
+    staged the shards into the same host buffers (none allocated afresh per save)."""
     output_dir = tmp_path / "run"
     args = [*ARGS, *TWO, *FSDP, "--async_checkpoint", "true"]
     with open(tmp_path / "run.log", "w") as log:
-        command = training_command(output_dir, *args, nproc=2, probe="slow")
+        command = training_command(output_dir, *args, nproc=2, probe="slow,record_staging")
         process = subprocess.Popen(command, cwd=PROJECT, env=training_env(), stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # fmt: skip
         try:
@@ -168,8 +171,12 @@ def test_sigterm_under_fsdp_saves_shards_and_resume_is_exact(runs, tmp_path):
         finally:
             kill_tree(process.pid)
             process.wait()
-    stopped_at = int((tmp_path / "run.log").read_text().split("stopped by SIGTERM at step ", 1)[1].split(";")[0])
+    log = (tmp_path / "run.log").read_text()
+    stopped_at = int(log.split("stopped by SIGTERM at step ", 1)[1].split(";")[0])
     assert 4 < stopped_at < 12
+    (staged,) = [json.loads(line.removeprefix("PROBE "))["staging_buffers"] for line in log.splitlines()
+                 if line.startswith("PROBE {\"staging_buffers")]  # fmt: skip
+    assert len(staged) >= 3 and all(buffers == staged[0] for buffers in staged), staged
     # The save in flight when the stop came is complete, and `last` is it.
     assert torch.load(output_dir / "checkpoints" / "last" / "trainer.pt", weights_only=True)["step"] == stopped_at
     run_training(output_dir, *args, nproc=2)  # the same command again
@@ -202,3 +209,18 @@ def test_one_process_checkpoint_resumes_on_two(runs, tmp_path):
     assert_close_weights(final_weights(tmp_path), final_weights(runs.fsdp[0]))
     ours, theirs = read_metrics(tmp_path)[-1], read_metrics(runs.fsdp[0])[-1]
     assert (ours["step"], ours["lr"]) == (theirs["step"], theirs["lr"])
+
+
+def test_sharded_checkpoint_of_the_one_group_optimizer_resumes_with_its_state(tmp_path):
+    """As test_resilience.py's, for sharded checkpoints: written with one AdamW group, resumed
+    into the two groups (by parameter name), bit for bit an uninterrupted run."""
+    args = [*ARGS, *TWO, *FSDP, "--weight_decay", "0", "--max_steps", "4"]
+    run_training(tmp_path / "old", *args, nproc=2, probe="single_param_group")
+    run_training(tmp_path / "new", *args, nproc=2)
+    step_2 = Path("checkpoints") / "step_000000002"
+    shutil.copytree(tmp_path / "old" / step_2, tmp_path / "resumed" / step_2)
+    result = run_training(tmp_path / "resumed", *args, nproc=2)
+    assert result.stdout.count("was saved with weight decay on every parameter") == 1, result.stdout
+    assert "step_000000002: epoch 1, step 2" in result.stdout
+    ours, theirs = final_weights(tmp_path / "resumed"), final_weights(tmp_path / "new")
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from the uninterrupted run"

@@ -7,6 +7,7 @@ Every test runs real processes and compares against an uninterrupted run, bit fo
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import task
@@ -27,6 +28,8 @@ from conftest import (
     start_from,
 )
 
+import ddp_utils
+
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
 
@@ -39,6 +42,17 @@ def test_checkpoint_holds_everything_to_continue(reference):
     assert state["config"]["checkpoint_every_steps"] == 4
     names = sorted(p.name for p in (reference.two / "checkpoints").iterdir())
     assert names == ["last.pt"] + [f"step_{step:09d}.pt" for step in range(4, 49, 4)]  # no temporary files left
+
+
+def test_resume_maps_the_checkpoint_into_host_memory(reference):
+    """Every rank reads the checkpoint through a memory map on the host and copies what it needs
+    (onto its GPU, in load_state_dict): nothing is loaded whole onto a device, and a node's
+    processes share the file's pages."""
+    path = checkpoint(reference.two, 16)
+    state = ddp_utils.load_checkpoint(path)
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert any(line.endswith(" " + os.path.realpath(path)) for line in maps), "not memory-mapped"
+    assert {tensor.device.type for tensor in state["model"].values()} == {"cpu"}
 
 
 def test_resume_at_an_epoch_boundary_is_bit_identical(reference, tmp_path):
@@ -167,6 +181,21 @@ def test_the_learning_rate_stays_on_course_when_the_world_size_changes(reference
     theirs = [m["lr"] for m in read_metrics(getattr(reference, saved_by))]
     assert ours == pytest.approx(theirs[1:], rel=1e-12), resumed_with
     assert ours[-1] == pytest.approx(LR * 0.1)
+
+
+def test_checkpoint_of_the_one_group_optimizer_resumes_with_its_state(tmp_path):
+    """Checkpoints written before AdamW's two parameter groups (one group, decay on every
+    parameter; tests/ddp_probe.py single_param_group) resume with their optimizer state, said
+    once. Without weight decay both layouts do the same arithmetic: the run resumed at step 4
+    equals an uninterrupted one bit for bit, so every moment went to its own parameter."""
+    args = [*ONE, "--amp", "none", "--weight_decay", "0", "--max_steps", "8", "--checkpoint_every_steps", "4"]
+    run_training(tmp_path / "old", *args, "--keep_checkpoints", "100", probe="single_param_group")
+    run_training(tmp_path / "new", *args)
+    resumed = start_from(checkpoint(tmp_path / "old", 4), tmp_path / "resumed")
+    result = run_training(resumed, *args)
+    assert result.stdout.count("was saved with weight decay on every parameter") == 1, result.stdout
+    assert "resumed from" in result.stdout
+    assert_same_parameters(resumed, tmp_path / "new")
 
 
 def test_resume_with_another_amp_mode(tmp_path):

@@ -8,6 +8,7 @@ Dataset.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -43,9 +44,10 @@ class SyntheticClassification(Dataset):
     """Gaussian inputs labelled by a fixed random two-layer network: learnable but not linear.
 
     Deterministic from `seed` (train and val share the labelling network, not the samples).
-    With `noise_std > 0` training inputs get fresh Gaussian noise every epoch, drawn from
+    With `noise_std > 0` training inputs get fresh Gaussian noise every epoch, a function of
     (seed, epoch, index) so it is the same whichever rank or worker loads the sample: a
-    resumed run or another world size sees exactly the same data.
+    resumed run or another world size sees exactly the same data. It is drawn for a whole
+    batch at once (gaussian_noise).
     """
 
     def __init__(self, num_samples, input_dim, num_classes, seed, split, noise_std=0.0):
@@ -67,18 +69,37 @@ class SyntheticClassification(Dataset):
         return len(self.targets)
 
     def __getitem__(self, index):
-        inputs = self.inputs[index]
-        if self.noise_std > 0:
-            noise = torch.Generator().manual_seed(mix_seed(self.seed, int(self.epoch), index))
-            inputs = inputs + self.noise_std * torch.randn(inputs.shape, generator=noise)
-        return inputs, self.targets[index]
+        return self.__getitems__([index])[0]
 
     def __getitems__(self, indices):
-        """A whole batch with one gather instead of a Python call per sample (DataLoader uses it)."""
+        """A whole batch with one gather, and its noise drawn at once, instead of a Python call
+        per sample (DataLoader uses it)."""
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        inputs = self.inputs[index]
         if self.noise_std > 0:
-            return [self[index] for index in indices]
-        index = torch.as_tensor(indices)
-        return list(zip(self.inputs[index].unbind(), self.targets[index].unbind()))
+            key = mix_seed(self.seed, "noise", int(self.epoch))
+            inputs = inputs + self.noise_std * gaussian_noise(key, index, inputs.shape[1])
+        return list(zip(inputs.unbind(), self.targets[index].unbind()))
+
+
+def gaussian_noise(key, indices, width):
+    """Standard normal noise, a row of `width` values per sample index: each value a function of
+    (key, index, position) only, the same whichever batch, rank or worker draws it. A counter-
+    based generator (splitmix64 of the counter, then Box-Muller), vectorised over the batch:
+    no generator object or hash per sample."""
+    counters = indices.numpy().astype(np.uint64)[:, None] * np.uint64(2 * width) + np.arange(2 * width, dtype=np.uint64)
+    bits = _splitmix64(counters + np.uint64(key))
+    uniform = (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
+    radius = np.sqrt(-2.0 * np.log1p(-uniform[:, :width]))  # log1p(-u): u = 0 is fine, 1 never comes
+    return torch.from_numpy(radius * np.cos(2 * np.pi * uniform[:, width:])).to(torch.float32)
+
+
+def _splitmix64(x):
+    """Steele et al.'s SplitMix64 output function on uint64 arrays (arithmetic wraps mod 2**64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 class GaussianBlobs(Dataset):

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from conftest import read_metrics, run_training
 
+import dataset
 import metrics
 from config import Config
 from dataset import SyntheticClassification, build_datasets
@@ -33,6 +34,24 @@ def test_persistent_workers_still_get_fresh_noise_every_epoch():
         epochs.append(inputs[torch.argsort(torch.tensor(order))])  # by sample index
     assert not torch.allclose(epochs[0], epochs[1])
     assert torch.equal(epochs[0], epochs[2])  # the same epoch: the same noise
+
+
+def test_input_noise_is_drawn_for_a_whole_batch_from_seed_epoch_and_index(monkeypatch):
+    """A GPU would wait for the data otherwise: a batch's noise is one vectorised draw
+    (dataset.gaussian_noise), not a generator and a hash per sample, and each sample's noise
+    still depends on (seed, epoch, index) only: alone or in any batch, in any order, the same."""
+    data = SyntheticClassification(512, 8, 4, seed=3, split="train", noise_std=1.0)
+    data.set_epoch(2)
+    draws, draw = [], dataset.gaussian_noise
+    monkeypatch.setattr(dataset, "gaussian_noise", lambda *args: draws.append(args) or draw(*args))
+    batch = data.__getitems__(list(range(256)))
+    assert len(draws) == 1
+    again = data.__getitems__([200, 3, 17])
+    assert torch.equal(again[1][0], batch[3][0]) and torch.equal(data[17][0], batch[17][0])
+    noise = torch.stack([inputs for inputs, _ in batch]) - data.inputs[:256]
+    assert abs(noise.mean().item()) < 0.05 and abs(noise.std().item() - 1) < 0.05  # standard normal
+    data.set_epoch(3)
+    assert not torch.allclose(data[17][0], batch[17][0])  # fresh noise every epoch
 
 
 def test_flops_per_sample_are_counted_as_the_model_runs():
