@@ -108,6 +108,11 @@ class Config(ModelConfig, DataConfig):
         "gradients and optimizer state (README: When the model no longer fits)",
         ("ddp", "fsdp"),
     )
+    replicate_degree: int = knob(
+        0,
+        "fsdp: keep N replicas, each sharded over world size / N processes (hybrid sharding, HSDP): all-gathers "
+        "stay within a replica, only gradients cross between them; 0 = one replica per node, 1 = shard over all",
+    )
     reshard_after_forward: bool = knob(
         True, "fsdp: free each block's gathered parameters after its forward (less memory, one more all-gather)"
     )
@@ -138,7 +143,7 @@ class Config(ModelConfig, DataConfig):
                 raise ConfigError(name, "must be at least 1")
         non_negative = ("num_workers", "weight_decay", "max_grad_norm", "max_steps", "eval_every_steps")
         non_negative += ("warmup_steps", "checkpoint_every_steps", "keep_checkpoints", "log_every_steps", "peak_tflops")
-        non_negative += ("min_loss_scale", "max_skipped_steps")
+        non_negative += ("min_loss_scale", "max_skipped_steps", "replicate_degree")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(name, "must not be negative")
@@ -168,6 +173,8 @@ class Config(ModelConfig, DataConfig):
                 raise ConfigError("amp", "fp16 cannot run with --strategy fsdp: use --amp bf16 (no loss scaling)")
         elif self.async_checkpoint:
             raise ConfigError("async_checkpoint", "needs --strategy fsdp (ddp writes one file from rank 0)")
+        elif self.replicate_degree:
+            raise ConfigError("replicate_degree", "needs --strategy fsdp (ddp keeps a whole replica on every process)")
         self.check_model()
         self.check_data()
 

@@ -38,6 +38,12 @@ class DistContext:
     world_size: int
     device: torch.device  # this process's device: the only device index to use (pick_device)
     store: dist.Store  # the group's key-value store, for waits that collectives must not bound
+    local_world_size: int = 1  # processes on this node
+
+    @property
+    def nodes(self):
+        """Nodes in the job, when every node runs as many processes (1 if they differ)."""
+        return self.world_size // self.local_world_size if self.world_size % self.local_world_size == 0 else 1
 
     @property
     def is_main(self):
@@ -184,7 +190,13 @@ def setup_distributed(timeout_seconds=600, trace_dir=None, device="auto"):
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
-    return DistContext(rank, local_rank, world_size, device, store)
+    return DistContext(rank, local_rank, world_size, device, store, processes_per_node())
+
+
+def processes_per_node():
+    """torchrun's LOCAL_WORLD_SIZE, or under srun the tasks on this node."""
+    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_TASKS_PER_NODE", "1")
+    return int(value.split("(")[0].split(",")[0])  # SLURM may write "2(x3)" or "2,1"
 
 
 def group_prefix(environ, world_size):
@@ -581,21 +593,21 @@ def checkpoint_candidates(checkpoint_dir):
     return last + numbered
 
 
-def load_latest_checkpoint(checkpoint_dir, sharded=False):
+def load_latest_checkpoint(checkpoint_dir, sharded_only=False):
     """The newest readable checkpoint in `checkpoint_dir`, skipping damaged ones with a warning:
-    files, or with `sharded` folders (--strategy fsdp).
+    a file (--strategy ddp) or a folder of shards (fsdp); with `sharded_only` folders alone
+    (--strategy fsdp reads no one-file checkpoint; ddp reads both).
 
     Returns (state, path), or (None, None) when the folder holds no checkpoint at all.
     Raises CheckpointError when checkpoints exist but none is readable: starting fresh
     over them would silently throw a run away.
     """
     everything = checkpoint_candidates(checkpoint_dir)
-    candidates = [path for path in everything if path.is_dir() == sharded]
+    candidates = [path for path in everything if path.is_dir() or not sharded_only]
     if everything and not candidates:
-        strategies = ("fsdp", "ddp") if sharded else ("ddp", "fsdp")
         raise CheckpointError(
-            f"{checkpoint_dir} holds checkpoints of --strategy {strategies[1]}, not {strategies[0]}: resume with "
-            f"--strategy {strategies[1]}, or pass another --output_dir"
+            f"{checkpoint_dir} holds checkpoints of --strategy ddp (one file each), which --strategy fsdp does not "
+            "read: resume with --strategy ddp, or pass another --output_dir"
         )
     for path in candidates:
         try:

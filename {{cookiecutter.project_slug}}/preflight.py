@@ -26,16 +26,19 @@ import ipaddress
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from config import parse_config
-from ddp_utils import choose_device, cleanup_distributed, process_env, setup_distributed
+from ddp_utils import choose_device, cleanup_distributed, process_env, processes_per_node, setup_distributed
 from train import Trainer
 
 SIZES_MB = (1, 4, 16, 64, 256)
@@ -69,12 +72,6 @@ def check_place(env):
     if world_size % local_world_size:
         raise PreflightError(f"WORLD_SIZE {world_size} is no multiple of the {local_world_size} processes per node")
     return f"rank {rank} of {world_size}, local rank {local_rank} of {local_world_size} on {socket.gethostname()}"
-
-
-def processes_per_node():
-    """torchrun's LOCAL_WORLD_SIZE, or under srun the tasks on this node."""
-    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_TASKS_PER_NODE", "1")
-    return int(value.split("(")[0].split(",")[0])  # SLURM may write "2(x3)" or "2,1"
 
 
 def check_gpus(env, device_knob):
@@ -221,14 +218,57 @@ def gradient_bytes(parameters, hook):
     return total
 
 
+def internode_bytes(parameters, cfg, world_size, nodes, sent):
+    """Bytes each node sends over the inter-node link per optimizer step under each strategy, as
+    ring collectives move them (a ring crosses each node boundary once; NCCL's rings and trees
+    move about as much): {"ddp", "fsdp", "hsdp"}, all 0 on one node.
+
+    - ddp: the gradients' all-reduce over every process: 2 (W-1)/W x the gradient bytes (of
+      the configured comm hook).
+    - fsdp: each block's parameters all-gathered over every process in forward, and again in
+      backward when --reshard_after_forward (in the --amp dtype), and the gradients reduce-
+      scattered (fp32): (W-1)/W x their bytes.
+    - hsdp, one replica per node: the all-gathers and reduce-scatters stay inside the node; the
+      replicas all-reduce their gradient shards: 2 (N-1)/N x the gradient bytes (fp32), as ddp.
+    """
+    if nodes < 2:
+        return {"ddp": 0, "fsdp": 0, "hsdp": 0}
+    numel = sum(p.numel() for p in parameters)
+    amp = {"bf16": 2, "fp16": 2}.get(cfg.amp, 4)  # bytes of a parameter as the forward uses it
+    gathers = 2 if cfg.reshard_after_forward else 1
+    spread = (world_size - 1) / world_size
+    return {
+        "ddp": round(2 * spread * sent[cfg.comm_hook]),
+        "fsdp": round(spread * (gathers * amp * numel + 4 * numel)),
+        "hsdp": round(2 * (nodes - 1) / nodes * 4 * numel),
+    }
+
+
+def nccl_transport(log_text):
+    """The network NCCL chose, from its NCCL_DEBUG=INFO output: "IB", "Socket", a plugin's name
+    ("AWS Libfabric" for EFA), with the line that names the devices; None if it did not say."""
+    chosen = re.search(r"NCCL INFO Using network (.+?)\s*$", log_text, re.MULTILINE)
+    if not chosen:
+        return None
+    network = chosen[1]
+    devices = re.search(r"NCCL INFO (NET/\S+ : Using .+?)\s*$", log_text, re.MULTILINE)
+    text = f"{network} ({devices[1]})" if devices else network
+    if "GDRDMA" in log_text:
+        text += ", GPUDirect RDMA"
+    if network == "Socket":
+        text += ": TCP, no InfiniBand/RoCE or EFA in use (README: Kubernetes, RDMA)"
+    return text
+
+
 def step_seconds(cfg, ctx, repeats=5, warmup=2):
     """One optimizer step timed as train.py runs it: the same Trainer (model, amp, TF32,
     compile), micro-batches of the training data, the optimizer step; once with the gradients'
     all-reduce skipped (DDP's no_sync: the compute alone) and once with it, as the job will run
     (its overlap with backward, the buckets, the library's overheads included).
 
-    Returns (compute seconds, synced seconds, {comm hook: bytes all-reduced per step}): medians,
-    the slowest rank's, so every rank agrees.
+    Returns (compute seconds, synced seconds, {comm hook: bytes all-reduced per step}, {strategy:
+    bytes each node sends to other nodes per step}): medians, the slowest rank's, so every rank
+    agrees.
     """
     trainer = Trainer(cfg, ctx)
     try:
@@ -251,10 +291,11 @@ def step_seconds(cfg, ctx, repeats=5, warmup=2):
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         parameters = [p for p in trainer.model.parameters() if p.requires_grad]
         sent = {hook: gradient_bytes(parameters, hook) for hook in COMM_HOOKS}
+        crossing = internode_bytes(parameters, cfg, ctx.world_size, ctx.nodes, sent)
     finally:
         trainer.close("finished")  # no tracker runs were opened
     compute, synced = slowest.tolist()
-    return compute, synced, sent
+    return compute, synced, sent, crossing
 
 
 def predict(compute_seconds, synced_seconds, sent, job_rows, node_rows, nodes, comm_hook):
@@ -349,28 +390,31 @@ def main(argv=None):
     except PreflightError as problem:
         say(rank, f"PROBLEM: {problem}", lines)
         return 1
+    nccl_log = log_nccl_network() if cfg.device != "cpu" and torch.cuda.is_available() else None
     ctx = setup_distributed(cfg.timeout_seconds, device=cfg.device)
     try:
         say(rank, check_collective(ctx), lines)
+        if ctx.device.type == "cuda":
+            say(rank, f"NCCL network: {read_nccl_network(nccl_log)}", lines)
         max_mb = int(os.environ.get("PREFLIGHT_MAX_MB", SIZES_MB[-1]))
         sizes = [size for size in SIZES_MB if size <= max_mb]
         rows = measure_allreduce(ctx, sizes) if ctx.world_size > 1 else []
-        local_size = processes_per_node()
-        nodes = ctx.world_size // local_size
+        local_size, nodes = ctx.local_world_size, ctx.nodes
         node_rows = []
         if nodes > 1 and local_size > 1:  # one node alone all-reduces over its own links only
             node_group, _ = dist.new_subgroups(group_size=local_size)
             node_rows = measure_allreduce(ctx, sizes, group=node_group)
         elif nodes == 1:
             node_rows = rows
-        compute_seconds, synced_seconds, sent = step_seconds(cfg, ctx)
+        compute_seconds, synced_seconds, sent, crossing = step_seconds(cfg, ctx)
         if ctx.is_main:
             prediction = predict(compute_seconds, synced_seconds, sent, rows, node_rows, nodes, cfg.comm_hook)
             summary = verdict(max(synced_seconds - compute_seconds, 0.0), compute_seconds, ctx.world_size)
             if as_json:
                 report = {"world_size": ctx.world_size, "nodes": nodes, "processes_per_node": local_size,
                           "backend": dist.get_backend(), "allreduce": table(rows),
-                          "one_node_allreduce": table(node_rows), **prediction, "verdict": summary}  # fmt: skip
+                          "one_node_allreduce": table(node_rows), **prediction, "verdict": summary,
+                          "internode_bytes_per_step": crossing}  # fmt: skip
                 print(json.dumps(report), flush=True)
             else:
                 print(f"\nall-reduce over {ctx.world_size} processes ({dist.get_backend()}):")
@@ -380,13 +424,33 @@ def main(argv=None):
                 print(f"\nmodel: {sent[cfg.comm_hook] / 2**20:.1f} MB of gradients")
                 print(f"verdict: {summary}")
                 if nodes > 1:
-                    print(f"nodes: {hook_advice(prediction)}", flush=True)
+                    print(f"nodes: {hook_advice(prediction)}")
+                    per_strategy = ", ".join(f"{name} {count / 2**20:.1f} MB" for name, count in crossing.items())
+                    print(f"inter-node traffic a step, each node: {per_strategy} (hsdp: a replica a node)", flush=True)
     except PreflightError as problem:
         say(rank, f"PROBLEM: {problem}", lines)
         return 1
     finally:
         cleanup_distributed()
     return 0
+
+
+def log_nccl_network():
+    """Have NCCL say which network it picks (NCCL_DEBUG=INFO, INIT and NET lines) into a file of
+    this process's; returns it. Set before NCCL starts; a setting of the user's wins."""
+    path = Path(tempfile.gettempdir()) / f"preflight-nccl-{os.getpid()}.log"
+    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
+    os.environ.setdefault("NCCL_DEBUG_FILE", str(path))
+    return path
+
+
+def read_nccl_network(path):
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return f"not known (NCCL_DEBUG_FILE={os.environ.get('NCCL_DEBUG_FILE')})"
+    return nccl_transport(text) or "not said (NCCL_DEBUG is not INFO?)"
 
 
 def table(rows):

@@ -4,6 +4,9 @@
   bytes per parameter with AdamW under mixed precision); backward all-reduces the gradients.
 - fsdp: FSDP2 (`fully_shard`) keeps 1/N of each on every process. A block's parameters are
   all-gathered just before it runs and freed after; backward reduce-scatters the gradients.
+  With several replicas (--replicate_degree, by default one per node) it is hybrid sharding
+  (HSDP): each replica shards over its own processes, so the all-gathers stay inside a node,
+  and only the gradient shards are all-reduced between replicas.
 
 train.py uses only what both offer (`model`, `module`, `sync_gradients`, `clip_gradients`,
 `save` and `load`), so the training loop is one loop. The weights start the same under both,
@@ -29,6 +32,7 @@ from ddp_utils import (
     sharded_param_groups,
     warn_main,
 )
+from knobs import ConfigError
 from loaders import mix_seed
 from model import build_model
 
@@ -132,7 +136,8 @@ class DDPStrategy:
     sharded = False  # evaluation needs no collectives: each rank runs its own batches
 
     def __init__(self, cfg, ctx):
-        self.ctx = ctx
+        self.ctx, self.cfg = ctx, cfg
+        self.name = "ddp"
         self.module = build_module(cfg, ctx.device, on_meta=cfg.init_on_meta)
         self.model = DDP(
             self.module,
@@ -162,8 +167,10 @@ class DDPStrategy:
         )
 
     def load(self, state, path, optimizer):
-        if "model" not in state:
-            raise CheckpointError(f"checkpoint {path} is sharded (--strategy fsdp): resume it with --strategy fsdp")
+        if "model" not in state:  # sharded (fsdp): each rank reads the whole model from the shards
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.checkpoint_timeout_seconds))
+            read_sharded_state(self.module, optimizer, path, group)
+            return
         self.module.load_state_dict(state["model"])  # unwrapped: no "module." prefix
         parameters = list(self.module.parameters())
         optimizer.load_state_dict(regroup_optimizer_state(state["optimizer"], optimizer, parameters, path))
@@ -190,9 +197,20 @@ class FSDPStrategy:
         amp = AMP_DTYPES[cfg.amp]
         # bf16 parameters for compute; gradients reduced (and kept) in fp32.
         policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32 if amp else None)
+        replicas = hsdp_replicas(cfg, ctx)
+        mesh = None  # one dimension: shard over every process
+        self.name = f"fsdp over {ctx.world_size} process(es)"
+        if replicas > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # Rows of consecutive ranks (a node's processes, as torchrun numbers them) shard;
+            # the columns, one rank from each row, replicate.
+            shape = (replicas, ctx.world_size // replicas)
+            mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("replicate", "shard"))
+            self.name = f"hsdp: {shape[0]} replicas, each sharded over {shape[1]} process(es)"
 
         def shard(unit):
-            fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
 
         # Always a meta-device start: the model never exists whole in one process.
         self.module = self.model = build_module(cfg, ctx.device, on_meta=True, shard=shard)
@@ -252,22 +270,37 @@ class FSDPStrategy:
     def load(self, state, path, optimizer):
         if "model" in state:
             raise CheckpointError(f"checkpoint {path} is one file (--strategy ddp): resume it with --strategy ddp")
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        read_sharded_state(self.model, optimizer, path, self.checkpoint_group)
 
-        model_state, optimizer_state = get_state_dict(self.model, optimizer)
-        sharded = {"model": model_state, "optimizer": optimizer_state}
-        ours = optimizer_state["param_groups"]
-        # Saved before build_optimizer's two groups: read it as the one group it has. The state
-        # is keyed by parameter name, so only the groups' settings differ: this run's are kept.
-        one_group = len(ours) > 1 and sharded_param_groups(path) == 1
-        if one_group:
-            optimizer_state["param_groups"] = [{**ours[0], "params": [name for g in ours for name in g["params"]]}]
-        # DCP reads what this rank's shards need, whatever world size wrote them.
-        load_sharded_checkpoint(path, sharded, self.checkpoint_group)
-        if one_group:
-            sharded["optimizer"]["param_groups"] = ours
-            warn_main(ONE_GROUP_NOTE.format(path=path))
-        set_state_dict(self.model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
+
+def hsdp_replicas(cfg, ctx):
+    """How many replicas --strategy fsdp keeps: --replicate_degree, or one per node (1: plain
+    FSDP over every process). Each must be a whole number of processes."""
+    replicas = cfg.replicate_degree or ctx.nodes
+    if ctx.world_size % replicas:
+        raise ConfigError("replicate_degree", f"{replicas} does not divide the {ctx.world_size} processes")
+    return replicas
+
+
+def read_sharded_state(model, optimizer, path, group):
+    """Load a sharded checkpoint (the folder `path`) into `model` and `optimizer` on every rank:
+    each reads what its own parameters hold, whatever world size, mesh or strategy wrote it
+    (DCP reshards; a plain module reads whole tensors). Collective over `group`."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    sharded = {"model": model_state, "optimizer": optimizer_state}
+    ours = optimizer_state["param_groups"]
+    # Saved before build_optimizer's two groups: read it as the one group it has. The state
+    # is keyed by parameter name, so only the groups' settings differ: this run's are kept.
+    one_group = len(ours) > 1 and sharded_param_groups(path) == 1
+    if one_group:
+        optimizer_state["param_groups"] = [{**ours[0], "params": [name for g in ours for name in g["params"]]}]
+    load_sharded_checkpoint(path, sharded, group)
+    if one_group:
+        sharded["optimizer"]["param_groups"] = ours
+        warn_main(ONE_GROUP_NOTE.format(path=path))
+    set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
 
 
 def buffers_may_differ(module):

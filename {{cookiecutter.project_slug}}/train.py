@@ -197,7 +197,10 @@ class Trainer:
             torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels once
             set_tf32(cfg.tf32)
         seed_everything(cfg.seed)
-        self.strategy = build_strategy(cfg, ctx)
+        try:
+            self.strategy = build_strategy(cfg, ctx)
+        except ConfigError as error:  # a setting that does not fit this world size, the same on every rank
+            raise TrainingError(str(error)) from None
         self.model = self.strategy.model
         seed_everything(mix_seed(cfg.seed, ctx.rank))
         self.optimizer = build_optimizer(self.model, cfg, ctx.device)
@@ -388,7 +391,7 @@ class Trainer:
         length = f"{cfg.max_steps} steps ({self.steps_per_epoch} an epoch)" if cfg.max_steps else (
             f"{cfg.epochs} epochs of {self.steps_per_epoch} steps"
         )  # fmt: skip
-        report("training %s, global batch %d", length, self.global_batch)
+        report("training %s, global batch %d, %s", length, self.global_batch, self.strategy.name)
         self._start_period()
         while not self._finished():
             self._run_epoch()  # to the epoch's end, or to max_steps

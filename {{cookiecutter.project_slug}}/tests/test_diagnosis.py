@@ -10,6 +10,7 @@ from conftest import PROJECT, TINY, run_training, training_env
 
 import ddp_utils
 import preflight
+from config import Config
 
 
 @pytest.mark.fixed_amp
@@ -185,6 +186,42 @@ def test_verdict_warns_when_communication_dominates():
     assert "compute-bound" in preflight.verdict(0.001, 0.010, 16)
     assert "SLOWER than one" in preflight.verdict(0.030, 0.010, 16)
     assert "single process" in preflight.verdict(0.0, 0.010, 1)
+
+
+def test_what_crosses_the_inter_node_link_under_each_strategy():
+    """Per optimizer step and node, 2 nodes x 4 processes, 1M parameters (4 MB of fp32
+    gradients): ddp all-reduces the gradients over all 8 (2 x 7/8 x 4 MB); fsdp all-gathers the
+    bf16 parameters twice (forward and backward) and reduce-scatters fp32 gradients over all 8
+    (7/8 x 8 MB); hsdp keeps those inside the node and all-reduces gradient shards between the
+    2 replicas (2 x 1/2 x 4 MB)."""
+    parameters = [torch.zeros(1000, 1000)]
+    sent = {hook: preflight.gradient_bytes(parameters, hook) for hook in preflight.COMM_HOOKS}
+    cfg = Config(amp="bf16")
+    crossing = preflight.internode_bytes(parameters, cfg, world_size=8, nodes=2, sent=sent)
+    assert crossing == {"ddp": 7_000_000, "fsdp": 7_000_000, "hsdp": 4_000_000}
+    one_node = preflight.internode_bytes(parameters, cfg, world_size=8, nodes=1, sent=sent)
+    assert one_node == {"ddp": 0, "fsdp": 0, "hsdp": 0}
+
+
+# NCCL's own NCCL_DEBUG=INFO lines (NVIDIA/nccl issues #226, #302; siderolabs/docs #566).
+NCCL_IB = """\
+nccl-test:179:179 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB [RO]; OOB eth0:10.0.0.1<0>
+nccl-test:179:179 [0] NCCL INFO Using network IB
+nccl-test:179:179 [0] NCCL INFO Channel 00/0 : 0[0] -> 8[0] [send] via NET/IB/0/GDRDMA
+"""
+NCCL_SOCKET = """\
+ip-172-31-12-21:45361:45361 [0] NCCL INFO NET/IB : No device found.
+ip-172-31-12-21:45361:45361 [0] NCCL INFO NET/Socket : Using [0]ens3:172.31.12.21<0>
+ip-172-31-12-21:45361:45361 [0] NCCL INFO Using network Socket
+"""
+
+
+def test_the_preflight_names_the_network_nccl_chose():
+    ib = preflight.nccl_transport(NCCL_IB)
+    assert ib.startswith("IB (NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB") and ib.endswith("GPUDirect RDMA")
+    socket = preflight.nccl_transport(NCCL_SOCKET)
+    assert socket.startswith("Socket (NET/Socket : Using [0]ens3:172.31.12.21<0>): TCP, no InfiniBand")
+    assert preflight.nccl_transport("NCCL INFO cudaDriverVersion 12080\n") is None
 
 
 def test_place_checks_catch_inconsistent_launch_variables(monkeypatch):

@@ -31,10 +31,11 @@ from conftest import (
 import export
 from config import Config, parse_config
 from dataset import build_datasets
-from ddp_utils import check_sharded_checkpoint
+from ddp_utils import DistContext, check_sharded_checkpoint
+from knobs import ConfigError
 from loaders import seed_everything
 from model import build_model
-from strategy import build_module
+from strategy import build_module, hsdp_replicas
 
 pytestmark = pytest.mark.fixed_amp  # comparisons need --amp none
 
@@ -48,6 +49,9 @@ ARGS += ["--val_samples", "33"]
 TWO = ["--batch_size", "16"]  # x 2 processes x 2 micro-steps: a global batch of 64
 ONE = ["--batch_size", "32"]  # x 1 process x 2 micro-steps: the same global batch
 FSDP = ["--strategy", "fsdp", *task.FSDP_ARGS]
+# Hybrid sharding: 4 processes (x 8 x 2 micro-steps: the same global batch) as 2 replicas of 2
+# shards, as --replicate_degree's default makes of 2 nodes x 2 GPUs.
+HSDP = ["--batch_size", "8", *FSDP, "--replicate_degree", "2"]
 
 
 class Runs:
@@ -66,6 +70,11 @@ class Runs:
         output_dir = self.tmp_path_factory.mktemp("fsdp")
         probes = "record_initial_weights,record_grad_norms"
         return output_dir, run_training(output_dir, *ARGS, *TWO, *FSDP, nproc=2, probe=probes)
+
+    @functools.cached_property
+    def hsdp(self):
+        output_dir = self.tmp_path_factory.mktemp("hsdp")
+        return output_dir, run_training(output_dir, *ARGS, *HSDP, nproc=4, probe="record_grad_norms")
 
     @functools.cached_property
     def one_from_two(self):
@@ -224,3 +233,62 @@ def test_sharded_checkpoint_of_the_one_group_optimizer_resumes_with_its_state(tm
     assert "step_000000002: epoch 1, step 2" in result.stdout
     ours, theirs = final_weights(tmp_path / "resumed"), final_weights(tmp_path / "new")
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from the uninterrupted run"
+
+
+# --- hybrid sharding (HSDP) ---------------------------------------------------------------
+
+
+def test_hsdp_trains_the_same_parameters_as_ddp(runs):
+    """Each replica all-gathers within its own 2 processes, and only the gradient shards are
+    all-reduced between the replicas: the same training as DDP, half the model state per process."""
+    (ddp_dir, ddp), (hsdp_dir, hsdp) = runs.ddp, runs.hsdp
+    assert "hsdp: 2 replicas, each sharded over 2 process(es)" in hsdp.stdout
+    assert_close_weights(final_weights(hsdp_dir), final_weights(ddp_dir))
+    (ddp_norms,) = probe_output(ddp)
+    (hsdp_norms,) = probe_output(hsdp)
+    for a, b in zip(hsdp_norms["grad_norms"], ddp_norms["grad_norms"], strict=True):
+        assert abs(a - b) <= 1e-4 * b  # clipping saw the norm over every shard, once
+    assert read_metrics(hsdp_dir)[-1]["val_loss"] == pytest.approx(read_metrics(ddp_dir)[-1]["val_loss"], rel=1e-4)
+    assert read_metrics(hsdp_dir)[-1]["model_state_mb"] <= 0.55 * read_metrics(ddp_dir)[-1]["model_state_mb"]
+
+
+@pytest.mark.parametrize("strategy, nproc", [("fsdp", 2), ("ddp", 1)])
+def test_hsdp_checkpoint_resumes_under_fsdp_and_ddp_on_another_world_size(runs, tmp_path, strategy, nproc):
+    """The shards of 2 x 2 processes, read by 2 plain fsdp processes or by one ddp process (whole
+    tensors: ddp reads sharded checkpoints too); the runs end where DDP does."""
+    source = runs.hsdp[0] / "checkpoints" / "step_000000006"
+    args = [*ARGS, *(TWO if nproc == 2 else ONE), *(FSDP if strategy == "fsdp" else [])]
+    result = run_training(tmp_path, *args, "--resume", source, nproc=nproc)
+    assert f"resumed from {source}: epoch 1, step 6" in result.stdout
+    assert_close_weights(final_weights(tmp_path), final_weights(runs.ddp[0]))
+
+
+def test_sigterm_under_hsdp_saves_and_resume_is_exact(runs, tmp_path):
+    output_dir = tmp_path / "run"
+    with open(tmp_path / "run.log", "w") as log:
+        command = training_command(output_dir, *ARGS, *HSDP, nproc=4, probe="slow")
+        process = subprocess.Popen(command, cwd=PROJECT, env=training_env(), stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
+        try:
+            wait_for(output_dir / "checkpoints" / "step_000000004", process)
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) != 0
+        finally:
+            kill_tree(process.pid)
+            process.wait()
+    assert "stopped by SIGTERM at step" in (tmp_path / "run.log").read_text()
+    run_training(output_dir, *ARGS, *HSDP, nproc=4)  # the same command again
+    ours, theirs = final_weights(output_dir), final_weights(runs.hsdp[0])
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from the uninterrupted run"
+    assert_same_metrics(output_dir, runs.hsdp[0])
+
+
+def test_one_replica_per_node_by_default():
+    def replicas(world_size, local_world_size, replicate_degree=0):
+        ctx = DistContext(0, 0, world_size, torch.device("cpu"), None, local_world_size)
+        return hsdp_replicas(Config(strategy="fsdp", replicate_degree=replicate_degree), ctx)
+
+    assert replicas(16, 8) == 2 and replicas(8, 8) == 1 and replicas(4, 1) == 4
+    assert replicas(16, 8, replicate_degree=4) == 4
+    with pytest.raises(ConfigError, match="--replicate_degree 3 does not divide the 16 processes"):
+        replicas(16, 8, replicate_degree=3)
