@@ -17,6 +17,18 @@
 #      checks the code path on CUDA and its overhead, not the memory saving).
 #   8. --profile_steps on CUDA: the Chrome trace holds GPU kernels and the CUDA memory snapshot
 #      loads with its segments; fp16 log lines carry grad_norm and loss_scale.
+#   9. SIGTERM to torchrun during training with 4 DataLoader workers: the checkpoint is written
+#      (no "DataLoader worker ... killed"), and the resumed run ends where an uninterrupted one
+#      does (max relative parameter difference; GPU kernels need not be bit-reproducible).
+#  10. AdamW fused=True (what the project uses on CUDA) against unfused, the GPT of check 6
+#      without compile: tokens/s of each, the same loss.
+#  11. Synchronised batch norm kernels: a ResNet's forward and backward with every BatchNorm
+#      through torch.nn.SyncBatchNorm's function against the hand-written one, one GPU (a group
+#      of one: this compares the kernels, not the communication): images/s. Then the vision
+#      task trains on the GPU with torch's SyncBatchNorm layers.
+#  12. --compile true --activation_checkpointing true under ddp and under fsdp: they run, and
+#      their tokens/s.
+#  13. The preflight names the network NCCL chose (NCCL_DEBUG=INFO's "Using network" line).
 #
 #   bash bench/gpu_check.sh                 # renders the template (needs cookiecutter)
 #   bash bench/gpu_check.sh PROJECT_DIR     # an already generated project
@@ -33,6 +45,9 @@ fi
 language_out=$(mktemp -d)
 "$python" -m cookiecutter --no-input "$here/.." --output-dir "$language_out" task=language >/dev/null
 language=$(find "$language_out" -mindepth 1 -maxdepth 1 -type d)
+vision_out=$(mktemp -d)
+"$python" -m cookiecutter --no-input "$here/.." --output-dir "$vision_out" task=vision >/dev/null
+vision=$(find "$vision_out" -mindepth 1 -maxdepth 1 -type d)
 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: no CUDA GPU visible')"
 runs=$(mktemp -d)
 cd "$project"
@@ -218,5 +233,166 @@ print('ok' if kernels > 0 and snapshot['segments'] else 'empty')
     check "--profile_steps 4:5 on CUDA: trace kernels, memory snapshot" "$verdict ($(echo "$profiled" | head -n 1))"
 else
     check "--profile_steps 4:5 on CUDA: trace kernels, memory snapshot" "$(tail -n 3 "$runs/profile.log" | tr '\n' ' ')"
+fi
+
+# --- 9. SIGTERM with 4 DataLoader workers: checkpoint written, resume where it would have been ---
+SIGTERM_RUN=(--input_dim 256 --hidden_dim 2048 --num_classes 64 --batch_size 256 --train_samples 65536 --val_samples 4096
+    --input_noise_std 0.1 --num_workers 4 --epochs 2 --checkpoint_every_steps 50 --log_every_steps 0 --amp bf16
+    --progress_bar false)
+"$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${SIGTERM_RUN[@]}" --resume none \
+    --output_dir "$runs/whole" >"$runs/whole.log" 2>&1 || true
+"$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${SIGTERM_RUN[@]}" \
+    --output_dir "$runs/stopped" >"$runs/stopped.log" 2>&1 &
+torchrun_pid=$!
+for _ in $(seq 600); do [[ -e $runs/stopped/checkpoints/step_000000100.pt ]] && break; sleep 0.1; done
+kill -TERM "$torchrun_pid" 2>/dev/null || true
+wait "$torchrun_pid" || true
+"$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${SIGTERM_RUN[@]}" \
+    --output_dir "$runs/stopped" >"$runs/resumed.log" 2>&1 || true
+sigterm=$("$python" - "$runs" <<'PY'
+import sys
+from pathlib import Path
+import torch
+
+runs = Path(sys.argv[1])
+stopped = (runs / "stopped.log").read_text()
+if "stopped by SIGTERM" not in stopped or "killed by signal" in stopped:
+    print(f"no preemption checkpoint: {stopped.strip().splitlines()[-1:]}")
+    sys.exit()
+if "resumed from" not in (runs / "resumed.log").read_text():
+    print("did not resume")
+    sys.exit()
+ours = torch.load(runs / "stopped/checkpoints/last.pt", map_location="cpu", weights_only=True)["model"]
+theirs = torch.load(runs / "whole/checkpoints/last.pt", map_location="cpu", weights_only=True)["model"]
+worst = max(((ours[k].float() - theirs[k].float()).norm() / theirs[k].float().norm().clamp_min(1e-12)).item() for k in theirs)
+print(f"{'ok' if worst < 1e-3 else 'differs'} (stopped and resumed, max relative parameter difference {worst:.1e})")
+PY
+)
+check "SIGTERM with 4 DataLoader workers: checkpoint, resume" "$sigterm"
+
+# --- 10. fused AdamW against unfused ----------------------------------------------------------
+GPT=(--data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --amp bf16
+    --max_steps 60 --eval_every_steps 30 --val_samples 64 --log_every_steps 0 --progress_bar false --resume none)
+for fused in true false; do
+    (cd "$language" && "$python" - "${GPT[@]}" --output_dir "$runs/adamw_$fused" "$fused" >"$runs/adamw_$fused.log" 2>&1 <<'PY'
+import sys
+import torch
+sys.path.insert(0, ".")
+import strategy
+import train
+
+fused = sys.argv.pop() == "true"
+build = strategy.build_optimizer
+
+def build_optimizer(model, cfg, device):
+    optimizer = build(model, cfg, device)
+    for group in optimizer.param_groups:
+        group["fused"] = fused
+        group["foreach"] = None if fused else True
+    return optimizer
+
+train.build_optimizer = build_optimizer
+sys.exit(train.main(sys.argv[1:]))
+PY
+    ) || true
+done
+adamw=$("$python" - "$runs" <<'PY'
+import json, sys
+from pathlib import Path
+
+runs = Path(sys.argv[1])
+try:
+    fused, plain = (json.loads((runs / f"adamw_{f}/metrics.jsonl").read_text().splitlines()[-1]) for f in ("true", "false"))
+except (OSError, IndexError) as error:
+    print(f"a run failed ({error})")
+    sys.exit()
+ratio = fused["tokens_per_s"] / plain["tokens_per_s"]
+print(f"ok (fused {fused['tokens_per_s']:.0f} tokens/s, unfused {plain['tokens_per_s']:.0f}: {ratio:.2f}x; "
+      f"val_loss {fused['val_loss']:.4f} vs {plain['val_loss']:.4f})")
+PY
+)
+check "AdamW fused=True against unfused, GPT 12x768 bf16" "$adamw"
+
+# --- 11. torch.nn.SyncBatchNorm's kernels against the hand-written ones ------------------------
+(cd "$vision" && "$python" prepare_data.py --output_dir "$runs/digits" >"$runs/digits.log" 2>&1)
+syncbn=$(cd "$vision" && "$python" - 2>"$runs/syncbn.log" <<'PY'
+import os, sys, time
+import torch
+import torch.distributed as dist
+from torch import nn
+sys.path.insert(0, ".")
+import model as vision
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+torch.cuda.set_device(0)
+
+class TorchKernels(nn.BatchNorm2d):
+    """Every training forward through torch's SyncBatchNorm function (a group of one)."""
+    def forward(self, x):
+        self.num_batches_tracked += 1
+        return torch.nn.modules._functions.SyncBatchNorm.apply(
+            x, self.weight, self.bias, self.running_mean, self.running_var, self.eps, self.momentum,
+            dist.group.WORLD, 1)
+
+class HandWritten(nn.BatchNorm2d):
+    def forward(self, x):
+        self.num_batches_tracked += 1
+        return vision._SyncBatchNorm.apply(x, self.weight, self.bias, self.running_mean, self.running_var,
+                                           self.momentum, self.eps)
+
+def swap(module, cls):
+    for name, child in module.named_children():
+        if type(child) is nn.BatchNorm2d:
+            setattr(module, name, cls(child.num_features).cuda())
+        else:
+            swap(child, cls)
+    return module
+
+images = torch.randn(256, 3, 64, 64, device="cuda")
+rates = {}
+for cls in (TorchKernels, HandWritten):
+    net = swap(vision.ResNet(100, 64, 2), cls).cuda().to(memory_format=torch.channels_last)
+    for step in range(25):
+        if step == 5:
+            torch.cuda.synchronize(); started = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            net(images).float().sum().backward()
+    torch.cuda.synchronize()
+    rates[cls.__name__] = 20 * len(images) / (time.perf_counter() - started)
+ratio = rates["TorchKernels"] / rates["HandWritten"]
+print(f"ok (torch.nn.SyncBatchNorm {rates['TorchKernels']:.0f} images/s, hand-written {rates['HandWritten']:.0f}: {ratio:.2f}x)")
+dist.destroy_process_group()
+PY
+) || syncbn="failed: $(tail -n 2 "$runs/syncbn.log" | tr '\n' ' ')"
+check "SyncBatchNorm kernels: torch's against the hand-written, ResNet bf16" "${syncbn:-no output}"
+if (cd "$vision" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py --data_dir "$runs/digits" \
+    --epochs 2 --image_size 32 --amp bf16 --progress_bar false --resume none --output_dir "$runs/vision" \
+    >"$runs/vision.log" 2>&1); then
+    check "vision task on the GPU (torch's SyncBatchNorm layers)" "ok ($(grep -o 'val_accuracy [0-9.]*' "$runs/vision.log" | tail -n 1))"
+else
+    check "vision task on the GPU (torch's SyncBatchNorm layers)" "$(tail -n 3 "$runs/vision.log" | tr '\n' ' ')"
+fi
+
+# --- 12. compile with activation checkpointing, under ddp and fsdp -----------------------------
+for strategy in ddp fsdp; do
+    if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${GPT[@]}" \
+        --compile true --activation_checkpointing true --strategy "$strategy" --output_dir "$runs/ac_$strategy" \
+        >"$runs/ac_$strategy.log" 2>&1); then
+        tokens=$("$python" -c "import json; print(round(json.loads(open('$runs/ac_$strategy/metrics.jsonl').read().splitlines()[-1])['tokens_per_s']))")
+        check "--compile true --activation_checkpointing true, $strategy" "ok ($tokens tokens/s)"
+    else
+        check "--compile true --activation_checkpointing true, $strategy" "$(tail -n 3 "$runs/ac_$strategy.log" | tr '\n' ' ')"
+    fi
+done
+
+# --- 13. the network NCCL chose ---------------------------------------------------------------
+"$python" -m torch.distributed.run --standalone --nproc_per_node=1 preflight.py "${MLP[@]}" --amp bf16 \
+    >"$runs/preflight_net.log" 2>&1 || true
+network=$(grep -o 'NCCL network: .*' "$runs/preflight_net.log" | head -n 1)
+if [[ -n $network ]]; then
+    check "preflight: the network NCCL chose" "ok ($network)"
+else
+    check "preflight: the network NCCL chose" "no line: $(tail -n 2 "$runs/preflight_net.log" | tr '\n' ' ')"
 fi
 exit $failed

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Benchmark the generated train.py against a minimal DDP loop (see bench/run.py), or with
 # --fsdp its two strategies against each other (see bench/fsdp.py), or with --network the
-# step time of two hosts against one over limited links (see bench/network.py; needs root).
+# step time of two hosts against one over limited links (see bench/network.py; needs root;
+# --network --strategies: ddp, fsdp and hsdp on 2 hosts x 2 processes over the link), or with
+# --tabular-noise the tabular task's noise draw (see bench/tabular_noise.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
@@ -12,5 +14,9 @@ fi
 if [[ ${1:-} == --network ]]; then
     shift
     exec .venv/bin/python bench/network.py "$@"
+fi
+if [[ ${1:-} == --tabular-noise ]]; then
+    shift
+    exec .venv/bin/python bench/tabular_noise.py "$@"
 fi
 exec .venv/bin/python bench/run.py "$@"

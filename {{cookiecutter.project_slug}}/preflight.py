@@ -218,7 +218,7 @@ def gradient_bytes(parameters, hook):
     return total
 
 
-def internode_bytes(parameters, cfg, world_size, nodes, sent):
+def internode_bytes(parameters, cfg, world_size, nodes, sent, backend="nccl"):
     """Bytes each node sends over the inter-node link per optimizer step under each strategy, as
     ring collectives move them (a ring crosses each node boundary once; NCCL's rings and trees
     move about as much): {"ddp", "fsdp", "hsdp"}, all 0 on one node.
@@ -227,7 +227,8 @@ def internode_bytes(parameters, cfg, world_size, nodes, sent):
       the configured comm hook).
     - fsdp: each block's parameters all-gathered over every process in forward, and again in
       backward when --reshard_after_forward (in the --amp dtype), and the gradients reduce-
-      scattered (fp32): (W-1)/W x their bytes.
+      scattered (fp32): (W-1)/W x their bytes (gloo reduce-scatters with a whole all-reduce:
+      twice that for the gradients, as measured on two hosts, BENCHMARKS.md).
     - hsdp, one replica per node: the all-gathers and reduce-scatters stay inside the node; the
       replicas all-reduce their gradient shards: 2 (N-1)/N x the gradient bytes (fp32), as ddp.
     """
@@ -236,10 +237,11 @@ def internode_bytes(parameters, cfg, world_size, nodes, sent):
     numel = sum(p.numel() for p in parameters)
     amp = {"bf16": 2, "fp16": 2}.get(cfg.amp, 4)  # bytes of a parameter as the forward uses it
     gathers = 2 if cfg.reshard_after_forward else 1
+    scatter = 2 if backend == "gloo" else 1
     spread = (world_size - 1) / world_size
     return {
         "ddp": round(2 * spread * sent[cfg.comm_hook]),
-        "fsdp": round(spread * (gathers * amp * numel + 4 * numel)),
+        "fsdp": round(spread * (gathers * amp * numel + scatter * 4 * numel)),
         "hsdp": round(2 * (nodes - 1) / nodes * 4 * numel),
     }
 
@@ -291,7 +293,7 @@ def step_seconds(cfg, ctx, repeats=5, warmup=2):
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         parameters = [p for p in trainer.model.parameters() if p.requires_grad]
         sent = {hook: gradient_bytes(parameters, hook) for hook in COMM_HOOKS}
-        crossing = internode_bytes(parameters, cfg, ctx.world_size, ctx.nodes, sent)
+        crossing = internode_bytes(parameters, cfg, ctx.world_size, ctx.nodes, sent, dist.get_backend())
     finally:
         trainer.close("finished")  # no tracker runs were opened
     compute, synced = slowest.tolist()

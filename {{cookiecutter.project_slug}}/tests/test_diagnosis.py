@@ -199,6 +199,8 @@ def test_what_crosses_the_inter_node_link_under_each_strategy():
     cfg = Config(amp="bf16")
     crossing = preflight.internode_bytes(parameters, cfg, world_size=8, nodes=2, sent=sent)
     assert crossing == {"ddp": 7_000_000, "fsdp": 7_000_000, "hsdp": 4_000_000}
+    on_gloo = preflight.internode_bytes(parameters, cfg, world_size=8, nodes=2, sent=sent, backend="gloo")
+    assert on_gloo["fsdp"] == 10_500_000  # its reduce-scatter is a whole all-reduce
     one_node = preflight.internode_bytes(parameters, cfg, world_size=8, nodes=1, sent=sent)
     assert one_node == {"ddp": 0, "fsdp": 0, "hsdp": 0}
 
