@@ -371,6 +371,14 @@ MUTANTS = [
         "fully_shard(unit, ",
         (f"{FSDP}::test_hsdp_trains_the_same_parameters_as_ddp",),
     ),
+    Mutant(
+        "hsdp_groups_with_default_timeout",
+        "the device mesh's process groups get torch's default timeout, not --timeout_seconds",
+        "strategy.py",
+        ",\n                                         backend_override=dict.fromkeys(names, group))",
+        ")",
+        (f"{FSDP}::test_hsdp_trains_the_same_parameters_as_ddp",),
+    ),
 ]
 
 

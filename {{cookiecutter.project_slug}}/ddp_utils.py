@@ -13,6 +13,7 @@ import functools
 import gc
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -76,11 +77,17 @@ class DeviceError(RuntimeError):
 NO_GPU_VALUES = {"", "-1", "none", "void", "nodevfiles"}
 
 
-def gpus_requested(environ):
+def gpus_requested(environ, nvidia_devices=None):
     """What asked for GPUs, as a short text naming the variable, or None: the job's scheduler
-    or launcher gave this process GPUs (SLURM's GPU variables, CUDA_VISIBLE_DEVICES,
-    NVIDIA_VISIBLE_DEVICES set to devices)."""
-    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):
+    or launcher gave this process GPUs (SLURM's GPU variables, CUDA_VISIBLE_DEVICES, or
+    NVIDIA_VISIBLE_DEVICES set to devices where the NVIDIA driver's device files are:
+    NVIDIA's CUDA images set it to `all` in the image itself, also on nodes without GPUs).
+    `nvidia_devices`: whether /dev/nvidiactl exists (looked up when None)."""
+    if nvidia_devices is None:
+        nvidia_devices = os.path.exists("/dev/nvidiactl")
+    names = ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
+    names += ("NVIDIA_VISIBLE_DEVICES",) if nvidia_devices else ()
+    for name in names:
         value = environ.get(name)
         if value is not None and value.strip().lower() not in NO_GPU_VALUES:
             return f"{name}={value}"
@@ -586,11 +593,23 @@ def load_checkpoint(path):
 
 
 def checkpoint_candidates(checkpoint_dir):
-    """last.pt (or the folder `last` links to) first, then the numbered checkpoints, newest first."""
+    """Every checkpoint in `checkpoint_dir`, newest first: by the step in its name, `last.pt`
+    (or the folder `last` links to) before the numbered checkpoint it is the newest of. A
+    folder holding both kinds (--strategy switched) is ordered by step across them."""
     checkpoint_dir = Path(checkpoint_dir)
-    numbered = sorted(checkpoint_dir.glob("step_*"), reverse=True)
-    last = [checkpoint_dir / name for name in ("last.pt", "last") if (checkpoint_dir / name).exists()]
-    return last + numbered
+    numbered = [(int(p.name.removesuffix(".pt").removeprefix("step_")), 0, p) for p in checkpoint_dir.glob("step_*")
+                if p.name.removesuffix(".pt").removeprefix("step_").isdigit()]  # fmt: skip
+    ordered = list(numbered)
+    for name in ("last.pt", "last"):
+        last = checkpoint_dir / name
+        if last.exists():
+            same_kind = [(step, path) for step, _, path in numbered if path.is_dir() == last.is_dir()]
+            # The numbered checkpoint it is (a hard link, a symbolic link), else the newest of its kind.
+            steps = [step for step, path in same_kind if os.path.samefile(path, last)] or [
+                max((step for step, _ in same_kind), default=math.inf)
+            ]
+            ordered.append((steps[0], 1, last))
+    return [path for _, _, path in sorted(ordered, key=lambda entry: entry[:2], reverse=True)]
 
 
 def load_latest_checkpoint(checkpoint_dir, sharded_only=False):
@@ -604,10 +623,10 @@ def load_latest_checkpoint(checkpoint_dir, sharded_only=False):
     """
     everything = checkpoint_candidates(checkpoint_dir)
     candidates = [path for path in everything if path.is_dir() or not sharded_only]
-    if everything and not candidates:
+    if everything and everything[0] not in candidates:
         raise CheckpointError(
-            f"{checkpoint_dir} holds checkpoints of --strategy ddp (one file each), which --strategy fsdp does not "
-            "read: resume with --strategy ddp, or pass another --output_dir"
+            f"the newest checkpoint in {checkpoint_dir}, {everything[0].name}, is one file (--strategy ddp), which "
+            "--strategy fsdp does not read: resume with --strategy ddp, or pass another --output_dir"
         )
     for path in candidates:
         try:

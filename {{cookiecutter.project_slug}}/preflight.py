@@ -438,21 +438,26 @@ def main(argv=None):
 
 
 def log_nccl_network():
-    """Have NCCL say which network it picks (NCCL_DEBUG=INFO, INIT and NET lines) into a file of
-    this process's; returns it. Set before NCCL starts; a setting of the user's wins."""
+    """Have NCCL say which network it picks (NCCL_DEBUG=INFO, its INIT and NET lines) into a file
+    of this process's, set before NCCL starts; returns the file. None when the user set
+    NCCL_DEBUG: their output goes where they asked (its "Using network" line says it)."""
+    if "NCCL_DEBUG" in os.environ:
+        return None
     path = Path(tempfile.gettempdir()) / f"preflight-nccl-{os.getpid()}.log"
-    os.environ.setdefault("NCCL_DEBUG", "INFO")
-    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
-    os.environ.setdefault("NCCL_DEBUG_FILE", str(path))
+    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=str(path))
     return path
 
 
 def read_nccl_network(path):
+    """The network NCCL chose, from the file log_nccl_network set up (then removed)."""
+    if path is None:
+        return "see NCCL's own output (NCCL_DEBUG is set): its 'Using network' line"
     try:
         text = Path(path).read_text(errors="replace")
-    except OSError:
-        return f"not known (NCCL_DEBUG_FILE={os.environ.get('NCCL_DEBUG_FILE')})"
-    return nccl_transport(text) or "not said (NCCL_DEBUG is not INFO?)"
+        Path(path).unlink()
+    except OSError as error:
+        return f"not known ({error})"
+    return nccl_transport(text) or "not said in NCCL's INFO lines"
 
 
 def table(rows):

@@ -14,6 +14,7 @@ with or without a meta-device start (`build_module`).
 """
 
 import contextlib
+import copy
 import zlib
 from collections import Counter
 from datetime import timedelta
@@ -170,10 +171,17 @@ class DDPStrategy:
         if "model" not in state:  # sharded (fsdp): each rank reads the whole model from the shards
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.checkpoint_timeout_seconds))
             read_sharded_state(self.module, optimizer, path, group)
+            dist.destroy_process_group(group)
             return
         self.module.load_state_dict(state["model"])  # unwrapped: no "module." prefix
         parameters = list(self.module.parameters())
-        optimizer.load_state_dict(regroup_optimizer_state(state["optimizer"], optimizer, parameters, path))
+        saved = regroup_optimizer_state(state["optimizer"], optimizer, parameters, path)
+        if self.ctx.device.type == "cpu":
+            # On the CPU, load_state_dict would keep Adam's moments in the checkpoint file's
+            # memory map (no copy is needed to reach the device), holding the file, and its disk
+            # space once pruned, for the rest of the run.
+            saved = copy.deepcopy(saved)
+        optimizer.load_state_dict(saved)
 
     def wait_for_checkpoint(self):
         pass  # saves are synchronous
@@ -198,19 +206,22 @@ class FSDPStrategy:
         # bf16 parameters for compute; gradients reduced (and kept) in fp32.
         policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32 if amp else None)
         replicas = hsdp_replicas(cfg, ctx)
-        mesh = None  # one dimension: shard over every process
+        self.mesh = None  # one dimension: shard over every process, on the default group
         self.name = f"fsdp over {ctx.world_size} process(es)"
         if replicas > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             # Rows of consecutive ranks (a node's processes, as torchrun numbers them) shard;
-            # the columns, one rank from each row, replicate.
-            shape = (replicas, ctx.world_size // replicas)
-            mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("replicate", "shard"))
+            # the columns, one rank from each row, replicate. The mesh makes a process group per
+            # row and column: with --timeout_seconds, not torch's default (10 or 30 minutes).
+            shape, names = (replicas, ctx.world_size // replicas), ("replicate", "shard")
+            group = group_settings(cfg.timeout_seconds)
+            self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names,
+                                         backend_override=dict.fromkeys(names, group))  # fmt: skip
             self.name = f"hsdp: {shape[0]} replicas, each sharded over {shape[1]} process(es)"
 
         def shard(unit):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
 
         # Always a meta-device start: the model never exists whole in one process.
         self.module = self.model = build_module(cfg, ctx.device, on_meta=True, shard=shard)
@@ -274,12 +285,22 @@ class FSDPStrategy:
 
 
 def hsdp_replicas(cfg, ctx):
-    """How many replicas --strategy fsdp keeps: --replicate_degree, or one per node (1: plain
-    FSDP over every process). Each must be a whole number of processes."""
-    replicas = cfg.replicate_degree or ctx.nodes
+    """How many replicas --strategy fsdp keeps: --replicate_degree, or one per node when nodes
+    run several processes (1: plain FSDP over every process; with one process per node,
+    replicas of one process would shard nothing). Each must be a whole number of processes."""
+    replicas = cfg.replicate_degree or (ctx.nodes if ctx.local_world_size > 1 else 1)
     if ctx.world_size % replicas:
         raise ConfigError("replicate_degree", f"{replicas} does not divide the {ctx.world_size} processes")
     return replicas
+
+
+def group_settings(timeout_seconds):
+    """(backend, options) for process groups made beside the default one (a device mesh's),
+    with the collective timeout of the default one."""
+    backend = dist.get_backend()
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_seconds)
+    return backend, options
 
 
 def read_sharded_state(model, optimizer, path, group):
@@ -332,6 +353,17 @@ def build_optimizer(model, cfg, device):
         {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, fused=device.type == "cuda")
+
+
+@contextlib.contextmanager
+def same_optimizer_implementation(optimizer):
+    """Keep the optimizer's implementation (fused, foreach) across loading a saved state, which
+    would otherwise bring the saving machine's: a checkpoint from a CPU run resumed on GPUs
+    would run unfused (and under fp16 fail in GradScaler, built for the fused step)."""
+    chosen = [(group["fused"], group["foreach"]) for group in optimizer.param_groups]
+    yield
+    for group, (fused, foreach) in zip(optimizer.param_groups, chosen, strict=True):
+        group["fused"], group["foreach"] = fused, foreach
 
 
 ONE_GROUP_NOTE = (

@@ -63,7 +63,7 @@ from metrics import (
 )
 from model import SHAPE_FIELDS
 from profiling import StepProfiler
-from strategy import AMP_DTYPES, build_optimizer, build_strategy, model_state_bytes
+from strategy import AMP_DTYPES, build_optimizer, build_strategy, model_state_bytes, same_optimizer_implementation
 from trackers import missing_package
 
 log = logging.getLogger("train")
@@ -312,7 +312,8 @@ class Trainer:
         ]
         if mismatched:
             raise TrainingError(f"checkpoint {path} has another model shape: {', '.join(mismatched)}")
-        self.strategy.load(state, path, self.optimizer)  # the model and optimizer state
+        with same_optimizer_implementation(self.optimizer):  # this machine's, not the saving one's
+            self.strategy.load(state, path, self.optimizer)  # the model and optimizer state
         if self.scaler.is_enabled() and not state["scaler"]:
             report("checkpoint %s was trained without loss scaling (--amp %s): the fp16 loss scale starts afresh",
                    path, saved["amp"])  # fmt: skip

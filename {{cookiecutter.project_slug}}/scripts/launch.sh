@@ -84,5 +84,8 @@ echo "launch.sh: ${entry[*]} on $NNODES node(s) x $NPROC_PER_NODE process(es), $
 
 # torchrun through scripts/torchrun_status.py: the same torchrun, which ends a job stopped by a
 # signal (its checkpoint saved) with the workers' status on every node, 143 after SIGTERM, not 1.
-exec python3 scripts/torchrun_status.py "${rendezvous[@]}" --nproc-per-node="$NPROC_PER_NODE" \
+# Run by the Python that has torchrun (a virtual environment's), else the first python3.
+python=$(dirname "$(command -v torchrun || echo python3)")/python3
+[[ -x $python ]] || python=python3
+exec "$python" scripts/torchrun_status.py "${rendezvous[@]}" --nproc-per-node="$NPROC_PER_NODE" \
     --max-restarts="$MAX_RESTARTS" "${entry[@]}" "$@"

@@ -7,6 +7,10 @@ the ranks agreed to: a scheduler could not tell a preemption from a crash (k8s/j
 restarts the job after a preemption without counting it as a failure). The workers write their
 status to STOP_STATUS_FILE (train.py); this process runs torchrun in-process, so it receives
 the signals exactly as torchrun does, and exits with that status.
+
+With MAX_RESTARTS > 0 a node whose workers stopped without a signal of its own restarts them
+(torchrun takes the stop for a failure), and the restarted workers wait for the nodes that
+left: the status holds for jobs without restarts, what a scheduler that restarts jobs uses.
 """
 
 import os

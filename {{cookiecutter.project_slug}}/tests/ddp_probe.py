@@ -343,12 +343,29 @@ def record_staging():
     return lambda: probe_print(staging_buffers=saves)
 
 
+def record_mesh():
+    """Print rank 0's device-mesh groups under fsdp: the ranks and collective timeout of each."""
+    original = train.Trainer.resume
+
+    def resume(self):
+        mesh = self.strategy.mesh
+        groups = {}
+        for name in mesh.mesh_dim_names if mesh is not None else ():
+            group = mesh.get_group(name)
+            timeout = group._get_backend(self.ctx.device).options._timeout
+            groups[name] = {"ranks": torch.distributed.get_process_group_ranks(group), "timeout_s": timeout.seconds}
+        probe_print(mesh=groups)
+        return original(self)
+
+    train.Trainer.resume = resume
+
+
 PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write, record_initial_weights)
-    + (single_param_group, record_staging)
+    + (single_param_group, record_staging, record_mesh)
 }
 
 if __name__ == "__main__":

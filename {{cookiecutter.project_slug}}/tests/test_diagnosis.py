@@ -79,7 +79,6 @@ def test_each_process_trains_on_the_gpu_it_was_given(monkeypatch):
     "env, args, asked",
     [
         ({"CUDA_VISIBLE_DEVICES": "0"}, [], "CUDA_VISIBLE_DEVICES=0"),
-        ({"NVIDIA_VISIBLE_DEVICES": "all"}, [], "NVIDIA_VISIBLE_DEVICES=all"),
         ({"SLURM_JOB_GPUS": "0,1"}, [], "SLURM_JOB_GPUS=0,1"),
         ({}, ["--device", "cuda"], "--device cuda"),
     ],
@@ -90,7 +89,7 @@ def test_gpus_asked_for_but_cuda_unusable_stops_with_one_line(tmp_path, env, arg
     is written, with one line saying why. (This machine has no GPU, which plays the broken node.)"""
     if torch.cuda.is_available():
         pytest.skip("CUDA works here")
-    unset = {name: "" for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "SLURM_JOB_GPUS")}
+    unset = {name: "" for name in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS")}
     result = run_training(tmp_path / "run", *args, env={**unset, **env}, check=False, timeout=60)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
@@ -111,6 +110,11 @@ def test_what_counts_as_gpus_asked_for():
     assert ddp_utils.gpus_requested({"SLURM_GPUS_ON_NODE": "4"}) == "SLURM_GPUS_ON_NODE=4"
     assert ddp_utils.gpus_requested({"CUDA_VISIBLE_DEVICES": "GPU-5d1c"}) == "CUDA_VISIBLE_DEVICES=GPU-5d1c"
     assert ddp_utils.gpus_requested({}) is None
+    # NVIDIA's CUDA images set NVIDIA_VISIBLE_DEVICES=all themselves: GPUs only where the driver is.
+    assert ddp_utils.gpus_requested({"NVIDIA_VISIBLE_DEVICES": "all"}, nvidia_devices=False) is None
+    assert (
+        ddp_utils.gpus_requested({"NVIDIA_VISIBLE_DEVICES": "all"}, nvidia_devices=True) == "NVIDIA_VISIBLE_DEVICES=all"
+    )
 
 
 def test_why_cuda_is_unusable_names_the_versions(monkeypatch):

@@ -74,7 +74,7 @@ class Runs:
     @functools.cached_property
     def hsdp(self):
         output_dir = self.tmp_path_factory.mktemp("hsdp")
-        return output_dir, run_training(output_dir, *ARGS, *HSDP, nproc=4, probe="record_grad_norms")
+        return output_dir, run_training(output_dir, *ARGS, *HSDP, nproc=4, probe="record_grad_norms,record_mesh")
 
     @functools.cached_property
     def one_from_two(self):
@@ -252,7 +252,11 @@ def test_hsdp_trains_the_same_parameters_as_ddp(runs):
     assert "hsdp: 2 replicas, each sharded over 2 process(es)" in hsdp.stdout
     assert_close_weights(final_weights(hsdp_dir), final_weights(ddp_dir))
     (ddp_norms,) = probe_output(ddp)
-    (hsdp_norms,) = probe_output(hsdp)
+    (mesh,) = [line["mesh"] for line in probe_output(hsdp) if "mesh" in line]
+    # Rank 0's groups: its replica's 2 processes shard, one process of each replica replicates;
+    # both with --timeout_seconds (600), not torch's default for new groups (gloo: 30 min).
+    assert mesh == {"replicate": {"ranks": [0, 2], "timeout_s": 600}, "shard": {"ranks": [0, 1], "timeout_s": 600}}
+    (hsdp_norms,) = [line for line in probe_output(hsdp) if "grad_norms" in line]
     for a, b in zip(hsdp_norms["grad_norms"], ddp_norms["grad_norms"], strict=True):
         assert abs(a - b) <= 1e-4 * b  # clipping saw the norm over every shard, once
     assert read_metrics(hsdp_dir)[-1]["val_loss"] == pytest.approx(read_metrics(ddp_dir)[-1]["val_loss"], rel=1e-4)
@@ -286,7 +290,8 @@ def test_one_replica_per_node_by_default():
         ctx = DistContext(0, 0, world_size, torch.device("cpu"), None, local_world_size)
         return hsdp_replicas(Config(strategy="fsdp", replicate_degree=replicate_degree), ctx)
 
-    assert replicas(16, 8) == 2 and replicas(8, 8) == 1 and replicas(4, 1) == 4
+    assert replicas(16, 8) == 2 and replicas(8, 8) == 1
+    assert replicas(4, 1) == 1  # one process per node: replicas of one process would shard nothing
     assert replicas(16, 8, replicate_degree=4) == 4
     with pytest.raises(ConfigError, match="--replicate_degree 3 does not divide the 16 processes"):
         replicas(16, 8, replicate_degree=3)

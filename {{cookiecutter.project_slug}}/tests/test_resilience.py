@@ -55,6 +55,25 @@ def test_resume_maps_the_checkpoint_into_host_memory(reference):
     assert {tensor.device.type for tensor in state["model"].values()} == {"cpu"}
 
 
+def test_a_folder_of_both_strategies_resumes_its_newest_checkpoint(tmp_path):
+    """ddp reads sharded checkpoints too, so a run may switch strategy in one output folder:
+    checkpoints are ordered by their step across both kinds, `last.pt` and `last` with the
+    numbered one they name, and fsdp refuses when the newest is a one-file (ddp) checkpoint
+    rather than silently resuming an older sharded one."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for step in (4, 12):
+        (folder / f"step_{step:09d}").mkdir()
+    (folder / "last").symlink_to("step_000000012")
+    for step in (8, 16):
+        (folder / f"step_{step:09d}.pt").write_bytes(b"")
+    os.link(folder / "step_000000008.pt", folder / "last.pt")  # last.pt is step 8: older than 16
+    names = [path.name for path in ddp_utils.checkpoint_candidates(folder)]
+    assert names == ["step_000000016.pt", "last", "step_000000012", "last.pt", "step_000000008.pt", "step_000000004"]
+    with pytest.raises(ddp_utils.CheckpointError, match="newest checkpoint .*step_000000016.pt, is one file"):
+        ddp_utils.load_latest_checkpoint(folder, sharded_only=True)
+
+
 def test_resume_at_an_epoch_boundary_is_bit_identical(reference, tmp_path):
     output_dir = start_from(checkpoint(reference.two, 16), tmp_path)
     run_training(output_dir, *ARGS, *TWO, nproc=2)

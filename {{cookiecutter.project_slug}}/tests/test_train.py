@@ -11,6 +11,7 @@ from conftest import LR, PROJECT, load_final_model, read_metrics, run_training
 
 from config import Config
 from model import build_model
+from strategy import same_optimizer_implementation
 
 REQUIRED_METRICS = {"epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_samples", "samples_per_s"}
 
@@ -115,6 +116,18 @@ def test_weight_decay_shrinks_matrices_and_never_biases_or_norms(tmp_path):
     decayed = sorted(name for name in parameters if not torch.equal(off[name], on[name]))
     assert decayed == sorted(name for name in parameters if off[name].dim() >= 2), decayed
     assert any(off[name].dim() < 2 for name in parameters)  # biases or norms: there is something to spare
+
+
+def test_resume_keeps_this_machines_optimizer_implementation():
+    """A saved optimizer state carries the saving machine's implementation (fused, foreach);
+    a resume keeps this machine's (fused on CUDA), or a checkpoint from a CPU run would step
+    unfused on GPUs."""
+    parameters = [torch.nn.Parameter(torch.zeros(2, 2))]
+    saved = torch.optim.AdamW(parameters, foreach=True).state_dict()
+    optimizer = torch.optim.AdamW(parameters, foreach=False)
+    with same_optimizer_implementation(optimizer):
+        optimizer.load_state_dict(saved)
+    assert (optimizer.param_groups[0]["foreach"], optimizer.param_groups[0]["fused"]) == (False, None)
 
 
 @pytest.mark.fixed_amp

@@ -37,16 +37,15 @@ def test_the_resnet_learns_the_digits(trained):
     assert last["val_accuracy"] >= 0.95, last
 
 
-def test_predict_names_the_class_of_each_image(trained):
+@pytest.mark.parametrize("config", ["as saved", "saved before --device existed"])
+def test_predict_names_the_class_of_each_image(trained, tmp_path, config):
+    checkpoint = trained / "checkpoints" / "last.pt"
+    if config != "as saved":
+        state = torch.load(checkpoint, weights_only=True)
+        del state["config"]["device"]
+        torch.save(state, checkpoint := tmp_path / "old.pt")
     images = sorted((DATA / "digits" / "val" / "7").glob("*.png"))[:3]
-    command = [
-        sys.executable,
-        "predict.py",
-        "--checkpoint",
-        str(trained / "checkpoints" / "last.pt"),
-        "--device",
-        "cpu",
-    ]
+    command = [sys.executable, "predict.py", "--checkpoint", str(checkpoint), "--device", "cpu"]
     result = subprocess.run([*command, *map(str, images)], cwd=PROJECT, env=training_env(), capture_output=True,
                             text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
