@@ -48,7 +48,9 @@ class Config(ModelConfig, DataConfig):
 
     # Data loading (the data itself: DataConfig in dataset.py)
     num_workers: int = knob(0, "DataLoader worker processes per training process")
-    persistent_workers: bool = knob(True, "keep DataLoader workers alive across epochs (with num_workers > 0)")
+    persistent_workers: bool = knob(
+        True, "keep DataLoader workers alive across epochs and evaluations, started before training (num_workers > 0)"
+    )
     prefetch_factor: int = knob(2, "batches each DataLoader worker loads ahead (with num_workers > 0)")
 
     # Optimisation

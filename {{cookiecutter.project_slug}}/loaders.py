@@ -104,10 +104,18 @@ def build_loaders(cfg, ctx, train_set, val_set):
     # (seed, epoch, index) like the built-in noise.
     train_loader = DataLoader(train_set, sampler=sampler, generator=torch.Generator(), **common)
     # Evaluation: every sample exactly once across ranks (ranks may get one sample more or
-    # less than others; metrics are reduced as sums and counts, so that is exact). Its workers
-    # are not kept between evaluations: they would hold memory through all of training.
+    # less than others; metrics are reduced as sums and counts, so that is exact). Its own
+    # generator: evaluating draws nothing from the training's random streams.
     val_sampler = range(ctx.rank, len(val_set), ctx.world_size)
-    val_loader = DataLoader(val_set, sampler=val_sampler, **{**common, "persistent_workers": False})
+    val_generator = torch.Generator().manual_seed(mix_seed(cfg.seed, ctx.rank, "validation"))
+    val_loader = DataLoader(val_set, sampler=val_sampler, generator=val_generator, **common)
+    if common["persistent_workers"]:
+        # Its workers start now, before training, and stay. Forked later, from a process whose
+        # threads are busy with training, a worker can hang for good in CPython < 3.12's fork
+        # (a thread held the interpreter's thread-list lock at that instant: seen here about
+        # once in 15 resumed runs, stuck in _PyThreadState_DeleteExcept). The training loader's
+        # workers start before the first step anyway.
+        iter(val_loader)
     return train_loader, val_loader
 
 

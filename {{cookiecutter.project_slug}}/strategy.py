@@ -15,6 +15,7 @@ with or without a meta-device start (`build_module`).
 
 import contextlib
 import copy
+import inspect
 import zlib
 from collections import Counter
 from datetime import timedelta
@@ -38,6 +39,10 @@ from loaders import mix_seed
 from model import build_model
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+# DDP's setting for sending rank 0's buffers before each forward: torch 2.13 renamed it (the old
+# name warns there); older releases know only broadcast_buffers.
+_DDP_SETTINGS = inspect.signature(DDP).parameters
+BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_SETTINGS else "broadcast_buffers"
 
 
 def build_strategy(cfg, ctx):
@@ -149,7 +154,7 @@ class DDPStrategy:
             gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             static_graph=cfg.static_graph,
             bucket_cap_mb=cfg.bucket_cap_mb,
-            broadcast_buffers=buffers_may_differ(self.module),
+            **{BUFFER_SYNC: buffers_may_differ(self.module)},  # rank 0's buffers, where they may differ
         )
         register_comm_hook(self.model, cfg.comm_hook)
 

@@ -360,12 +360,27 @@ def record_mesh():
     train.Trainer.resume = resume
 
 
+def children_after_close():
+    """Print how many child processes (DataLoader workers) are still running once the Trainer
+    has closed, and how long closing took."""
+    import multiprocessing
+
+    original = train.Trainer.close
+
+    def close(self, status):
+        started = time.perf_counter()
+        original(self, status)
+        probe_print(children=len(multiprocessing.active_children()), close_s=time.perf_counter() - started)
+
+    train.Trainer.close = close
+
+
 PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write, record_initial_weights)
-    + (single_param_group, record_staging, record_mesh)
+    + (single_param_group, record_staging, record_mesh, children_after_close)
 }
 
 if __name__ == "__main__":

@@ -55,11 +55,19 @@ def test_validation_covers_every_sample_once_for_any_world_size():
         assert sorted(seen) == list(range(1001))  # every sample once: no padding, no duplicates
 
 
-def test_only_the_training_loader_keeps_its_workers():
-    """Persistent workers for training (every epoch); the validation loader's workers end after
-    each evaluation instead of holding memory for the whole run."""
+def test_validation_workers_start_before_training_and_stay():
+    """Persistent workers for training and evaluation; the validation loader's are started as the
+    loaders are built, before any training step: a worker forked later from a process whose
+    threads are busy training can deadlock in CPython < 3.12's fork. Evaluating draws nothing
+    from the global random generator (its own seeds the workers)."""
     cfg = Config(num_workers=2, persistent_workers=True)
     ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
     items = [(torch.zeros(1), torch.tensor(0))] * 128
     train_loader, val_loader = build_loaders(cfg, ctx, items, items)
-    assert train_loader.persistent_workers and not val_loader.persistent_workers
+    assert train_loader.persistent_workers and val_loader.persistent_workers
+    workers = val_loader._iterator._workers  # started already
+    assert len(workers) == 2 and all(worker.is_alive() for worker in workers)
+    state = torch.get_rng_state()
+    assert sum(len(batch) for batch, _ in val_loader) == 128 and sum(len(batch) for batch, _ in val_loader) == 128
+    assert val_loader._iterator._workers == workers  # the same processes, evaluation after evaluation
+    assert torch.equal(torch.get_rng_state(), state)

@@ -109,7 +109,10 @@ def test_progress_bar_is_never_shown_by_other_ranks(monkeypatch, tmp_path):
 
 
 def test_metrics_split_time_and_report_memory(tmp_path):
-    run_training(tmp_path, "--num_workers", "2")
+    """(With DataLoader workers: closing the run ends them all, in order, at once.)"""
+    result = run_training(tmp_path, "--num_workers", "2", probe="children_after_close")
+    (closed,) = probe_output(result)
+    assert closed["children"] == 0 and closed["close_s"] < 4, closed  # not 5 s per worker waited in vain
     for line in read_metrics(tmp_path):
         assert line["data_wait_s"] >= 0 and line["compute_s"] > 0 and line["peak_memory_mb"] > 50
         assert "mfu" not in line  # CPU: no peak to compare with
