@@ -73,9 +73,9 @@ MUTANTS = [
         "validation averages the ranks' averages",
         "train.py",
         "        dist.all_reduce(totals)  # sums and counts, not an average of per-rank averages\n",
-        "        totals[:2] /= totals[2]\n"
+        "        totals[:-1] /= totals[-1]\n"
         "        dist.all_reduce(totals)\n"
-        "        totals[:2] *= totals[2] / dist.get_world_size()\n",
+        "        totals[:-1] *= totals[-1] / dist.get_world_size()\n",
         (f"{CORRECTNESS}::test_evaluation_counts_every_sample_once",),
     ),
     Mutant(
@@ -246,7 +246,7 @@ MUTANTS = [
         "strategy.py",
         "        torch.manual_seed(mix_seed(seed, zlib.crc32(name.encode())))\n",
         "",
-        (f"{FSDP}::test_meta_device_start_gives_the_weights_of_an_ordinary_start",),
+        (f"{FSDP}::test_both_strategies_start_from_the_weights_the_model_makes",),
     ),
     Mutant(
         "fsdp_evaluation_not_in_step",
@@ -378,6 +378,41 @@ MUTANTS = [
         ",\n                                         backend_override=dict.fromkeys(names, group))",
         ")",
         (f"{FSDP}::test_hsdp_trains_the_same_parameters_as_ddp",),
+    ),
+    Mutant(
+        "user_init_thrown_away",
+        "every module's reset_parameters() rerun after build_model: the model's own init is lost",
+        "strategy.py",
+        "            model = build_model(cfg).to(device)\n",
+        "            model = build_model(cfg).to(device)\n"
+        '            [m.reset_parameters() for m in model.modules() if hasattr(m, "reset_parameters")]\n',
+        (f"{FSDP}::test_both_strategies_start_from_the_weights_the_model_makes",),
+        task="tabular",
+    ),
+    Mutant(
+        "fsdp_always_from_meta",
+        "fsdp initialises module by module on the meta device even for a model without init_weights",
+        "strategy.py",
+        "on_meta=cfg.init_on_meta, shard=shard)",
+        "on_meta=True, shard=shard)",
+        (f"{FSDP}::test_both_strategies_start_from_the_weights_the_model_makes",),
+        task="tabular",
+    ),
+    Mutant(
+        "keep_checkpoints_ignored_for_one_file",
+        "--keep_checkpoints ignored for single-file (ddp) checkpoints: no step file is ever pruned",
+        "ddp_utils.py",
+        'sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]',
+        "[]",
+        (f"{RESILIENCE}::test_only_the_newest_checkpoints_are_kept",),
+    ),
+    Mutant(
+        "training_windows_same_every_epoch",
+        "the language task's training windows identical every epoch (the epoch dropped from the seed)",
+        "dataset.py",
+        "mix_seed(self.seed, int(self.epoch), index)",
+        "mix_seed(self.seed, 0, index)",
+        ("tests/test_task.py::test_training_windows_are_fresh_every_epoch_and_the_same_on_resume",),
     ),
 ]
 

@@ -118,7 +118,7 @@ class Config(ModelConfig, DataConfig):
     reshard_after_forward: bool = knob(
         True, "fsdp: free each block's gathered parameters after its forward (less memory, one more all-gather)"
     )
-    init_on_meta: bool = knob(False, "ddp: build the model on the meta device, then initialise it (fsdp always does)")
+    init_on_meta: bool = knob(False, "build the model on the meta device, then initialise it module by module")
     async_checkpoint: bool = knob(False, "fsdp: write checkpoints in the background while training goes on")
     device: str = knob(
         "auto",

@@ -298,7 +298,7 @@ class Agreement:
     """Flags OR-ed across all ranks by one all-reduce that runs while the host goes on.
 
     `result()` gives the agreed values; the training loop reads them one optimizer step after
-    starting the all-reduce, so it never waits for the device (train.py, _optimizer_step).
+    starting the all-reduce, so it never waits for the device (train.py, optimizer_step).
     """
 
     def __init__(self, flags, device):

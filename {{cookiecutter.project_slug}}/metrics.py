@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from contract import model_inputs
 from ddp_utils import rank_zero_only
-from model import build_model
 from trackers import open_trackers
 
 log = logging.getLogger("train")
@@ -52,28 +52,32 @@ def peak_tflops(device_name, amp, tf32, override=0.0):
     return 0.0
 
 
-def flops_per_sample(cfg, sample, loss_fn):
+def flops_per_sample(cfg, task, batch):
     """Training FLOPs (forward and backward) per sample, counted by PyTorch's FlopCounterMode.
 
     The model is built on the meta device: no memory, no arithmetic, no random draws and no
     state touched, yet every matmul, convolution and attention call is counted as it runs
     (6 x parameters misses attention and convolutions, and counts embedding lookups).
-    `sample` is one (input, target) item of the training set.
+    `batch` is a batch of one training sample; `task` the contract's (contract.load_task).
+    A model that cannot be built on the meta device counts as 0 (no MFU is reported).
     """
-    inputs, targets = (torch.empty((1, *t.shape), dtype=t.dtype, device="meta") for t in sample)
-    with torch.device("meta"):
-        model = build_model(cfg)
+    batch = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), batch)
+    try:
+        with torch.device("meta"):
+            model = task.build_model(cfg)
+    except Exception:  # noqa: BLE001 - its construction needs real tensors
+        return 0
     # Evaluation mode: the model's own FLOPs, without activation checkpointing's recompute
     # (MFU counts model FLOPs, not hardware FLOPs) or dropout.
     model.eval()
     with FlopCounterMode(display=False) as counter:
-        loss_fn(model(inputs), targets).backward()
+        task.loss_fn(model(model_inputs(batch)), batch).backward()
     return counter.get_total_flops()
 
 
 def mfu(flops_per_sample, samples_per_s, world_size, peak_tflops):
     """Model FLOPs utilisation: achieved model FLOPs per device over the device's peak."""
-    if peak_tflops <= 0:
+    if peak_tflops <= 0 or flops_per_sample <= 0:
         return None
     return flops_per_sample * samples_per_s / world_size / (peak_tflops * 1e12)
 

@@ -274,7 +274,7 @@ def step_seconds(cfg, ctx, repeats=5, warmup=2):
     """
     trainer = Trainer(cfg, ctx)
     try:
-        inputs, targets = next(iter(trainer.train_loader))
+        batch = next(iter(trainer.train_loader))
         medians = []
         for sync in (False, True):
             timings = []
@@ -282,13 +282,12 @@ def step_seconds(cfg, ctx, repeats=5, warmup=2):
                 synchronize(ctx)
                 started = time.perf_counter()
                 for micro_step in range(cfg.grad_accum_steps):
-                    trainer._run_batch(inputs, targets, sync=sync and micro_step == cfg.grad_accum_steps - 1)
-                trainer.scaler.step(trainer.optimizer)
-                trainer.scaler.update()
-                trainer.optimizer.zero_grad(set_to_none=True)
+                    trainer.train_step(batch, sync=sync and micro_step == cfg.grad_accum_steps - 1)
+                trainer.optimizer_step()
                 synchronize(ctx)
                 timings.append(time.perf_counter() - started)
             medians.append(sorted(timings[warmup:])[repeats // 2])
+        trainer.settle()  # the last step's agreement, in flight
         slowest = torch.tensor(medians, dtype=torch.float64, device=ctx.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         parameters = [p for p in trainer.model.parameters() if p.requires_grad]

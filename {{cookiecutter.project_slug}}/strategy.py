@@ -9,8 +9,8 @@
   and only the gradient shards are all-reduced between replicas.
 
 train.py uses only what both offer (`model`, `module`, `sync_gradients`, `clip_gradients`,
-`save` and `load`), so the training loop is one loop. The weights start the same under both,
-with or without a meta-device start (`build_module`).
+`save` and `load`), so the training loop is one loop. The weights start the same under both:
+as the model's own code makes them (`build_module`).
 """
 
 import contextlib
@@ -36,7 +36,6 @@ from ddp_utils import (
 )
 from knobs import ConfigError
 from loaders import mix_seed
-from model import build_model
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 # DDP's setting for sending rank 0's buffers before each forward: torch 2.13 renamed it (the old
@@ -45,29 +44,42 @@ _DDP_SETTINGS = inspect.signature(DDP).parameters
 BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_SETTINGS else "broadcast_buffers"
 
 
-def build_strategy(cfg, ctx):
-    """The model, wrapped for --strategy: the one place the choice is made."""
+def build_strategy(cfg, ctx, build_model):
+    """The model `build_model(cfg)` makes, wrapped for --strategy: the one place the choice is made."""
     if cfg.strategy == "fsdp":
-        return FSDPStrategy(cfg, ctx)
-    return DDPStrategy(cfg, ctx)
+        return FSDPStrategy(cfg, ctx, build_model)
+    return DDPStrategy(cfg, ctx, build_model)
 
 
 # --- initial weights --------------------------------------------------------------------
 
 
-def build_module(cfg, device, on_meta=False, shard=None):
-    """`build_model(cfg)` on `device` with its initial weights, the same with or without a
-    meta-device start, on one process or sharded over many.
+def build_module(cfg, build_model, device, on_meta=False, shard=None):
+    """`build_model(cfg)` on `device` with its initial weights: the same under ddp and fsdp, on
+    one process or sharded over many (`shard(unit)` shards one unit in place).
 
-    Each module's own parameters are drawn from a generator seeded by (seed, its name), on
-    the CPU, after construction: so the weights do not depend on the order modules are
-    built or initialised, nor on the device. On meta, nothing is allocated at construction;
-    each unit (`shard_units`) is then materialised, initialised and handed to `shard` (FSDP
-    keeps 1/N of it) before the next: a model too big for one process never exists whole.
+    How the weights are made is the model's choice:
+    - As built (a model without `init_weights`): `build_model(cfg)` runs on the CPU with torch's
+      generator seeded by --seed, and the weights its `__init__` made are kept (a zero-initialised
+      head stays zero); the model is then moved to `device`, and sharded unit by unit.
+    - Module by module (a model with `init_weights(name, module)`, or --init_on_meta): built on
+      the meta device, nothing allocated; each module's own tensors are materialised on the CPU
+      and initialised by its `reset_parameters()`, then `init_weights`, from a generator seeded
+      by (seed, its name), so the weights depend neither on construction order nor on device;
+      each unit (`shard_units`) is sharded before the next is made: a model too big for one
+      process never exists whole.
     """
-    shard = shard or (lambda module: None)
-    with torch.device("meta") if on_meta else contextlib.nullcontext():
-        model = build_model(cfg)
+    shard = shard or (lambda unit: None)
+    model = _build_on_meta(cfg, build_model)
+    if model is None or not (on_meta or hasattr(model, "init_weights")):
+        if model is None and on_meta:
+            raise ConfigError("init_on_meta", "is true, but build_model(cfg) fails on the meta device: set it to false")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = build_model(cfg).to(device)
+        for unit in [*shard_units(model), model]:
+            shard(unit)
+        return model
     done, made = set(), {}
     holders = Counter(id(t) for m in model.modules() for t in _own_tensors(m) if t.is_meta)
     for unit in [*shard_units(model), model]:  # the model last: what no unit holds
@@ -79,14 +91,26 @@ def build_module(cfg, device, on_meta=False, shard=None):
             # Its own tensors only: materialised on the CPU, initialised there (the CPU
             # generator, whatever the device), then moved.
             materialize(module, made, holders)
-            if not init_module(model, name, module, cfg.seed) and on_meta:
-                raise TypeError(
-                    f"{name} ({type(module).__name__}) has parameters but no reset_parameters(), and the model no "
-                    "init_weights(name, module): on the meta device it would start uninitialised; give it one"
+            if not init_module(model, name, module, cfg.seed):
+                raise ConfigError(
+                    "init_on_meta",
+                    f"is true, but {name or 'the model'} ({type(module).__name__}) has parameters and no "
+                    "reset_parameters(), and the model no init_weights(name, module) to initialise it: set "
+                    "--init_on_meta false, or give the model an init_weights",
                 )
             module._apply(lambda t: t.to(device), recurse=False)  # in place: tied weights stay tied
         shard(unit)
     return model
+
+
+def _build_on_meta(cfg, build_model):
+    """The model built on the meta device (no memory, no random draws), or None when its
+    construction needs real tensors (a table computed in __init__, a file read)."""
+    try:
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
+            return build_model(cfg)
+    except Exception:  # noqa: BLE001 - any failure means: build it for real
+        return None
 
 
 def materialize(module, made, holders):
@@ -112,8 +136,24 @@ def _own_tensors(module):
 
 def shard_units(model):
     """The blocks FSDP shards one by one (a transformer layer, a ResNet stage): the model's
-    `shard_units()` if it says, else none (the whole model is one unit)."""
-    return list(model.shard_units()) if hasattr(model, "shard_units") else []
+    `shard_units()` if it says; else the children of its largest `nn.ModuleList` or
+    `nn.Sequential` (an `nn.TransformerEncoder`'s layers, an MLP's layers) that hold
+    parameters. The rest goes with the whole model, sharded last."""
+    if hasattr(model, "shard_units"):
+        return list(model.shard_units())
+    containers = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    if not containers:
+        return []
+
+    def blocks(container):
+        return [child for child in container.children() if _parameter_count(child)]
+
+    largest = max(containers, key=lambda m: (_parameter_count(m), len(blocks(m))))
+    return blocks(largest)
+
+
+def _parameter_count(module):
+    return sum(p.numel() for p in module.parameters())
 
 
 def init_module(model, name, module, seed):
@@ -141,10 +181,10 @@ class DDPStrategy:
 
     sharded = False  # evaluation needs no collectives: each rank runs its own batches
 
-    def __init__(self, cfg, ctx):
+    def __init__(self, cfg, ctx, build_model):
         self.ctx, self.cfg = ctx, cfg
         self.name = "ddp"
-        self.module = build_module(cfg, ctx.device, on_meta=cfg.init_on_meta)
+        self.module = build_module(cfg, build_model, ctx.device, on_meta=cfg.init_on_meta)
         self.model = DDP(
             self.module,
             # The device setup_distributed picked: with one visible GPU per process it is
@@ -201,7 +241,7 @@ class FSDPStrategy:
 
     sharded = True  # every forward all-gathers: ranks must run the same number of batches
 
-    def __init__(self, cfg, ctx):
+    def __init__(self, cfg, ctx, build_model):
         # FSDP and DCP are imported here, not at the top: they pull in DTensor and sympy, 1.5 s
         # of start-up per process that ddp runs never need.
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -228,8 +268,7 @@ class FSDPStrategy:
         def shard(unit):
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
 
-        # Always a meta-device start: the model never exists whole in one process.
-        self.module = self.model = build_module(cfg, ctx.device, on_meta=True, shard=shard)
+        self.module = self.model = build_module(cfg, build_model, ctx.device, on_meta=cfg.init_on_meta, shard=shard)
         # Checkpoint collectives run on a group of their own: an asynchronous save overlaps
         # the next steps, whose collectives use the default group.
         timeout = timedelta(seconds=cfg.checkpoint_timeout_seconds)  # a slow file system, not a dead peer

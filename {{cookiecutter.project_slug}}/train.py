@@ -25,10 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from config import parse_config, write_resolved_config
-from dataset import build_datasets
+from contract import batch_size, load_task, model_inputs, to_device
 from ddp_utils import (
     Agreement,
     CheckpointError,
@@ -61,18 +60,11 @@ from metrics import (
     peak_tflops,
     reset_peak_memory,
 )
-from model import SHAPE_FIELDS
 from profiling import StepProfiler
 from strategy import AMP_DTYPES, build_optimizer, build_strategy, model_state_bytes, same_optimizer_implementation
 from trackers import missing_package
 
 log = logging.getLogger("train")
-
-
-def loss_fn(logits, targets):
-    """Cross-entropy for every task: logits [..., classes] against targets [...], one class
-    index per sample (tabular, vision) or per token (language)."""
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
 class TrainingError(RuntimeError):
@@ -172,6 +164,7 @@ def report(message, *args, level=logging.INFO):
 class Trainer:
     def __init__(self, cfg, ctx):
         self.cfg, self.ctx = cfg, ctx
+        self.task = load_task()  # model.py's and dataset.py's functions (contract.py)
         self.output_dir = Path(cfg.output_dir)
         self.checkpoint_dir = self.output_dir / "checkpoints"
         # Only rank 0 imports the trackers' packages; a missing one stops every rank at once.
@@ -198,7 +191,7 @@ class Trainer:
             set_tf32(cfg.tf32)
         seed_everything(cfg.seed)
         try:
-            self.strategy = build_strategy(cfg, ctx)
+            self.strategy = build_strategy(cfg, ctx, self.task.build_model)
         except ConfigError as error:  # a setting that does not fit this world size, the same on every rank
             raise TrainingError(str(error)) from None
         self.model = self.strategy.model
@@ -210,9 +203,9 @@ class Trainer:
         # torch.compile goes around the DDP or FSDP wrapper, so their communication is compiled in
         # step with the graph (PyTorch's documented order); no_sync() still acts on the wrapper.
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
-        sample = self.train_loader.dataset[0]
-        self.flops_per_sample = flops_per_sample(cfg, sample, loss_fn)
-        self.tokens_per_sample = sample[1].numel()  # predictions per sample: 1, or a sequence's length
+        one_sample = self.train_loader.collate_fn([self.train_loader.dataset[0]])
+        self.flops_per_sample = flops_per_sample(cfg, self.task, one_sample)
+        self.tokens_per_sample = self.task.tokens_per_sample(cfg)  # predictions per sample
         device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
         self.peak_tflops = peak_tflops(device_name, cfg.amp, cfg.tf32, cfg.peak_tflops)
         self.reporter = Reporter(ctx, cfg, self.output_dir)
@@ -239,7 +232,7 @@ class Trainer:
         on one node only) and reported once, before anyone waits in a collective."""
         datasets, problem = None, None
         try:
-            datasets = build_datasets(self.cfg)
+            datasets = self.task.build_datasets(self.cfg)
         except ConfigError as error:
             problem = str(error)
         self._agree("datasets", problem)
@@ -307,7 +300,7 @@ class Trainer:
         saved = state["config"]
         mismatched = [
             f"--{name} is {getattr(self.cfg, name)}, the checkpoint's is {saved[name]}"
-            for name in SHAPE_FIELDS
+            for name in self.task.shape_fields
             if saved[name] != getattr(self.cfg, name)
         ]
         if mismatched:
@@ -352,14 +345,14 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------
 
     def _save_checkpoint(self, stopping=False):
-        """Save where training is; returns whether all ranks agreed to stop (see _settle).
+        """Save where training is; returns whether all ranks agreed to stop (see settle).
 
         Per-rank state (random generators, partial loss sums) is gathered to rank 0, which
         writes it with the model and optimizer state (ddp) or beside their shards (fsdp); every
         rank calls this.
         """
         started = time.perf_counter()
-        stop = self._settle()  # every step in this checkpoint was finite
+        stop = self.settle()  # every step in this checkpoint was finite
         self.watchdog.beat(f"checkpoint at step {self.step}", seconds=self.cfg.checkpoint_timeout_seconds)
         ranks = [None] * self.ctx.world_size
         dist.all_gather_object(ranks, {"rng": rng_state(), "loss_totals": self.loss_totals.cpu()})
@@ -396,7 +389,7 @@ class Trainer:
         self._start_period()
         while not self._finished():
             self._run_epoch()  # to the epoch's end, or to max_steps
-            if self._settle():  # a stop agreed in the last step
+            if self.settle():  # a stop agreed in the last step
                 self._save_checkpoint(stopping=True)
                 raise Preempted(self.stop.signum or signal.SIGTERM)
             if self.batches_done == self.steps_per_epoch * cfg.grad_accum_steps:  # the epoch is complete
@@ -422,16 +415,16 @@ class Trainer:
         self.model.train()
         self.reporter.start_epoch(self.epoch + 1, cfg.epochs, self.steps_per_epoch, self.batches_done // accum)
         waiting_since = time.perf_counter()
-        for micro_step, (inputs, targets) in enumerate(self.train_loader, start=self.batches_done):
+        for micro_step, batch in enumerate(self.train_loader, start=self.batches_done):
             self.period.data_wait_s += time.perf_counter() - waiting_since
             self.watchdog.beat(f"training, optimizer step {self.step + 1}")
             self.profiler.at_step(self.step)  # --profile_steps
             last_micro_step = (micro_step + 1) % accum == 0
-            loss = self._run_batch(inputs, targets, sync=last_micro_step)
+            loss = self.train_step(batch, sync=last_micro_step)
             if not last_micro_step:
                 waiting_since = time.perf_counter()
                 continue
-            stop = self._optimizer_step()
+            stop = self.optimizer_step()
             self.batches_done = micro_step + 1
             if stop:  # agreed by all ranks: save where we are and exit
                 self._save_checkpoint(stopping=True)
@@ -514,17 +507,18 @@ class Trainer:
     def _log_due(self, step):
         return self.cfg.log_every_steps and step % self.cfg.log_every_steps == 0
 
-    def _run_batch(self, inputs, targets, sync):
-        inputs = inputs.to(self.ctx.device, non_blocking=True)
-        targets = targets.to(self.ctx.device, non_blocking=True)
-        # Gradients are synchronised only on the last micro-step of an optimizer step.
+    def train_step(self, batch, sync):
+        """Forward and backward of one micro-batch; returns its loss (detached). Gradients are
+        all-reduced only when `sync` (the last micro-step of an optimizer step)."""
+        batch = to_device(batch, self.ctx.device)
         with self.strategy.sync_gradients(sync):
             with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                loss = loss_fn(self._forward(inputs), targets)
+                loss = self.task.loss_fn(self._forward(model_inputs(batch)), batch)
             self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
         loss = loss.detach()
-        self.loss_totals[0] += loss.double() * len(targets)
-        self.loss_totals[1] += len(targets)
+        samples = batch_size(batch)
+        self.loss_totals[0] += loss.double() * samples
+        self.loss_totals[1] += samples
         return loss
 
     def _forward(self, inputs):
@@ -541,8 +535,8 @@ class Trainer:
                 "TORCH_DISTRIBUTED_DEBUG=DETAIL to see which parameters"
             ) from None
 
-    def _optimizer_step(self):
-        """Clip, step and schedule, then act on the previous step's agreement (see _settle).
+    def optimizer_step(self):
+        """Clip, step and schedule, then act on the previous step's agreement (see settle).
 
         Returns whether all ranks agreed to stop. Every decision that ends or skips work is
         agreed by one small all-reduce per step, so no rank stops alone while the others wait
@@ -589,7 +583,7 @@ class Trainer:
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
 
-    def _settle(self):
+    def settle(self):
         """Read the last step's agreement now (before a checkpoint or the epoch's end); returns
         whether all ranks agreed to stop."""
         previous, self.pending = self.pending, None
@@ -624,42 +618,46 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self):
-        """Loss and accuracy over exactly the whole validation set, on every rank."""
+        """The task's metrics (model.py's evaluation_sums and evaluation_metrics) over exactly
+        the whole validation set, on every rank: sums over every batch and rank, then divided,
+        not an average of per-rank averages."""
         model = self.strategy.module  # not DDP's forward: nothing to synchronise in evaluation
         model.eval()
-        # loss sum and correct predictions over every target, targets, samples
-        totals = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
-        for inputs, targets in self._val_batches():
+        names, totals, samples = None, None, 0
+        for batch, counted in self._val_batches():
             self.watchdog.beat("evaluation")
-            inputs = inputs.to(self.ctx.device, non_blocking=True)
+            batch = to_device(batch, self.ctx.device)
             with torch.autocast(self.ctx.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                logits = model(inputs)
-            if targets is None:  # a batch run only to keep the ranks' all-gathers in step
-                continue
-            targets = targets.to(self.ctx.device, non_blocking=True)
-            totals[0] += F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
-            totals[1] += (logits.argmax(dim=-1) == targets).sum()
-            totals[2] += targets.numel()
-            totals[3] += len(targets)
+                output = model(model_inputs(batch))
+            sums = self.task.evaluation_sums(output, batch)
+            # A batch run only to keep the ranks' all-gathers in step counts nowhere.
+            values = torch.stack([torch.as_tensor(v, device=self.ctx.device).double() for v in sums.values()])
+            names, totals = list(sums), torch.zeros_like(values) if totals is None else totals
+            if counted:
+                totals += values
+                samples += batch_size(batch)
+        totals = torch.cat([totals, torch.tensor([samples], dtype=torch.float64, device=self.ctx.device)])
         dist.all_reduce(totals)  # sums and counts, not an average of per-rank averages
         model.train()
-        loss_sum, correct, count, samples = totals.tolist()
-        return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_samples": int(samples)}
+        *sums, samples = totals.tolist()
+        metrics = self.task.evaluation_metrics(dict(zip(names, sums)))
+        return {**{name: float(value) for name, value in metrics.items()}, "val_samples": int(samples)}
 
     def _val_batches(self):
-        """This rank's validation batches. Under FSDP every forward all-gathers parameters,
-        so every rank must run as many as the rank with the most (ranks may hold one sample
-        more than others): the ones short of it repeat their last inputs, counted nowhere."""
-        batches = torch.tensor([len(self.val_loader)], device=self.ctx.device)
+        """This rank's validation batches, each with whether it counts. Under FSDP every forward
+        all-gathers parameters, so every rank runs as many as the rank with the most (ranks may
+        hold one sample more than others): the ones short of it repeat their last batch,
+        counted nowhere. Every rank runs at least one: the sums' names come from it."""
+        batches = torch.tensor([max(1, len(self.val_loader))], device=self.ctx.device)
         if self.strategy.sharded:
             dist.all_reduce(batches, op=dist.ReduceOp.MAX)
-        inputs = None
-        for inputs, targets in self.val_loader:
-            yield inputs, targets
-        if inputs is None:  # no validation sample at all on this rank: any input will do
-            inputs = self.val_loader.dataset[0][0][None]
+        batch = None
+        for batch in self.val_loader:
+            yield batch, True
+        if batch is None:  # no validation sample at all on this rank: any input will do
+            batch = self.val_loader.collate_fn([self.val_loader.dataset[0]])
         for _ in range(batches.item() - len(self.val_loader)):
-            yield inputs, None
+            yield batch, False
 
     def close(self, status):
         """status: finished, preempted, failed (agreed by all ranks) or crashed."""

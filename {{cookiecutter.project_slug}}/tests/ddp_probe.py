@@ -21,9 +21,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import contract  # noqa: E402
+import model  # noqa: E402
 import strategy  # noqa: E402
 import train  # noqa: E402
-from model import build_model  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
 LAST_RANK = int(os.environ.get("WORLD_SIZE", 1)) - 1
@@ -32,6 +33,20 @@ LAST_RANK = int(os.environ.get("WORLD_SIZE", 1)) - 1
 def training_call(loss):
     """Whether a loss comes from a training micro-step (not evaluation, not the FLOP count)."""
     return torch.is_grad_enabled() and loss.device.type != "meta"
+
+
+def wrap_loss(wrapper):
+    """Replace the task's loss (model.py's loss_fn, or the contract's default, which
+    contract.load_task reads when the Trainer starts) with `wrapper(loss)`: whatever the loss."""
+    if hasattr(model, "loss_fn"):
+        model.loss_fn = wrapper(model.loss_fn)
+    else:
+        contract.cross_entropy = wrapper(contract.cross_entropy)
+
+
+def wrap_build_model(wrapper):
+    """Replace model.py's build_model with `wrapper(build_model)`."""
+    model.build_model = wrapper(model.build_model)
 
 
 class InfiniteGradient(torch.autograd.Function):
@@ -68,36 +83,36 @@ def count_allreduce():
     return lambda: probe_print(allreduce_calls=len(calls))
 
 
-def nan_on_rank1():
-    """Rank 1 alone gets a NaN loss (before backward) in its 3rd training micro-step."""
-    original = torch.nn.functional.cross_entropy
+def change_training_loss(change):
+    """Wrap the task's loss: each training micro-step's loss becomes `change(loss, call)`, with
+    `call` this rank's count of them (1-based)."""
     calls = []
 
-    def cross_entropy(*args, **kwargs):
-        loss = original(*args, **kwargs)
-        if not training_call(loss):
-            return loss
-        calls.append(1)
-        return loss * float("nan") if RANK == 1 and len(calls) == 3 else loss
+    def wrapper(original):
+        def loss_fn(*args, **kwargs):
+            loss = original(*args, **kwargs)
+            if not training_call(loss):
+                return loss
+            calls.append(1)
+            return change(loss, len(calls))
 
-    torch.nn.functional.cross_entropy = cross_entropy
+        return loss_fn
+
+    wrap_loss(wrapper)
+
+
+def nan_on_rank1():
+    """Rank 1 alone gets a NaN loss (before backward) in its 3rd training micro-step."""
+    change_training_loss(lambda loss, call: loss * float("nan") if RANK == 1 and call == 3 else loss)
 
 
 def overflow_gradients(on_calls):
     """The last rank's gradients overflow (inf) in its training micro-steps `on_calls`
     (1-based); the loss itself stays finite. The all-reduce spreads the inf to every rank, as
     in real fp16."""
-    original = torch.nn.functional.cross_entropy
-    calls = []
-
-    def cross_entropy(*args, **kwargs):
-        loss = original(*args, **kwargs)
-        if not training_call(loss):
-            return loss
-        calls.append(1)
-        return InfiniteGradient.apply(loss) if RANK == LAST_RANK and on_calls(len(calls)) else loss
-
-    torch.nn.functional.cross_entropy = cross_entropy
+    change_training_loss(
+        lambda loss, call: InfiniteGradient.apply(loss) if RANK == LAST_RANK and on_calls(call) else loss
+    )
 
 
 def overflow_once():
@@ -113,7 +128,7 @@ def overflow_from_step3():
 def fail_on_rank1():
     """Rank 1 alone raises an unexpected error in its 3rd micro-step; rank 0 goes on into the
     gradient all-reduce and finds its peer gone."""
-    original = train.Trainer._run_batch
+    original = train.Trainer.train_step
     calls = []
 
     def run_batch(self, *args, **kwargs):
@@ -122,21 +137,13 @@ def fail_on_rank1():
             raise ValueError("injected failure on rank 1")
         return original(self, *args, **kwargs)
 
-    train.Trainer._run_batch = run_batch
+    train.Trainer.train_step = run_batch
 
 
 def slow_loss():
     """Sleep 200 ms in each training micro-step's loss: a slow run that a test can join, signal
-    or kill mid-way. It patches torch, so it also works through tests/sitecustomize.py."""
-    original = torch.nn.functional.cross_entropy
-
-    def cross_entropy(*args, **kwargs):
-        loss = original(*args, **kwargs)
-        if training_call(loss):
-            time.sleep(0.2)
-        return loss
-
-    torch.nn.functional.cross_entropy = cross_entropy
+    or kill mid-way. It patches the task's loss, so it also works through tests/sitecustomize.py."""
+    change_training_loss(lambda loss, call: time.sleep(0.2) or loss)
 
 
 def slow_checkpoint_write():
@@ -155,7 +162,7 @@ def slow_checkpoint_write():
 
 def stop_on_rank1():
     """Rank 1 alone sees a stop request (as from SIGTERM) after its 3rd micro-step."""
-    original = train.Trainer._run_batch
+    original = train.Trainer.train_step
     calls = []
 
     def run_batch(self, *args, **kwargs):
@@ -165,22 +172,22 @@ def stop_on_rank1():
             self.stop.signum = 15
         return loss
 
-    train.Trainer._run_batch = run_batch
+    train.Trainer.train_step = run_batch
 
 
 def unused_param():
     """The model has a layer that never gets a gradient."""
 
     class WithUnusedLayer(nn.Module):
-        def __init__(self, cfg):
+        def __init__(self, used):
             super().__init__()
-            self.used = build_model(cfg)
+            self.used = used
             self.unused = nn.Linear(1, 1)
 
         def forward(self, inputs):
             return self.used(inputs)
 
-    strategy.build_model = WithUnusedLayer
+    wrap_build_model(lambda build_model: lambda cfg: WithUnusedLayer(build_model(cfg)))
 
 
 def eval_only():
@@ -231,13 +238,13 @@ def record_grad_norms():
 
 def slow():
     """Sleep 50 ms per micro-step, so a test can signal or kill processes mid-run."""
-    original = train.Trainer._run_batch
+    original = train.Trainer.train_step
 
     def run_batch(self, *args, **kwargs):
         time.sleep(0.05)
         return original(self, *args, **kwargs)
 
-    train.Trainer._run_batch = run_batch
+    train.Trainer.train_step = run_batch
 
 
 def crash_in_checkpoint_write():
@@ -264,17 +271,12 @@ def crash_in_checkpoint_write():
 
 def with_dropout():
     """The model draws from the global random generator every step: dropout on its outputs."""
-    original = strategy.build_model
-
-    def build_model(cfg):
-        return nn.Sequential(original(cfg), nn.Dropout(0.2))
-
-    strategy.build_model = build_model
+    wrap_build_model(lambda build_model: lambda cfg: nn.Sequential(build_model(cfg), nn.Dropout(0.2)))
 
 
 def stall_rank1():
     """Rank 1 alone stops making progress (60 s) in its 3rd micro-step, as a stuck data read would."""
-    original = train.Trainer._run_batch
+    original = train.Trainer.train_step
     calls = []
 
     def run_batch(self, *args, **kwargs):
@@ -283,7 +285,7 @@ def stall_rank1():
             time.sleep(60)
         return original(self, *args, **kwargs)
 
-    train.Trainer._run_batch = run_batch
+    train.Trainer.train_step = run_batch
 
 
 def count_compressed_bytes():
@@ -375,12 +377,29 @@ def children_after_close():
     train.Trainer.close = close
 
 
+def float64():
+    """Compute in float64: the model (built under float64 as torch's default dtype) and every
+    floating-point tensor of each batch. Comparisons of runs then check the distributed
+    arithmetic itself, for any model: in float32, an optimizer such as AdamW turns rounding
+    noise in near-zero gradients (an attention key bias, a BatchNorm bias) into whole steps
+    that depend on the order of the sums."""
+    torch.set_default_dtype(torch.float64)
+    original = train.to_device
+
+    def to_device(batch, device):
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, original(batch, device)
+        )
+
+    train.to_device = to_device
+
+
 PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write, record_initial_weights)
-    + (single_param_group, record_staging, record_mesh, children_after_close)
+    + (single_param_group, record_staging, record_mesh, children_after_close, float64)
 }
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 that resume exactly after SIGTERM and on another world size, past a damaged shard, and a
 one-file export for sample.py, predict.py and sharing."""
 
+import contextlib
 import functools
 import json
 import shutil
@@ -10,10 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import conftest
 import pytest
-import task
 import torch
-import torch.nn.functional as F
 from conftest import (
     PROJECT,
     TINY,
@@ -22,22 +22,44 @@ from conftest import (
     probe_output,
     read_metrics,
     relative_difference,
-    run_training,
-    training_command,
     training_env,
     wait_for,
 )
 
 import export
+import model
 from config import Config, parse_config
-from dataset import build_datasets
+from contract import load_task, model_inputs
 from ddp_utils import DistContext, check_sharded_checkpoint
 from knobs import ConfigError
-from loaders import seed_everything
-from model import build_model
 from strategy import build_module, hsdp_replicas
 
 pytestmark = pytest.mark.fixed_amp  # comparisons need --amp none
+
+
+def in_float64(run):
+    """Every run of this module computes in float64 (tests/ddp_probe.py float64): ddp, fsdp and
+    hsdp are compared to 1e-4 whatever the model, and float32 rounding amplified by AdamW would
+    compare noise, not sharding."""
+
+    def wrapped(*args, probe=None, **kwargs):
+        return run(*args, probe=f"float64,{probe}" if probe else "float64", **kwargs)
+
+    return wrapped
+
+
+run_training, training_command = in_float64(conftest.run_training), in_float64(conftest.training_command)
+
+
+@contextlib.contextmanager
+def float64_default():
+    """torch's default dtype float64, as in the runs: data made with it (torch.randn) differ."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(torch.float32)
+
 
 # 12 optimizer steps of 2 micro-steps, clipped hard enough to bite every step; a sharded
 # checkpoint every 2 steps, all kept, so tests can resume from any of them.
@@ -48,7 +70,11 @@ ARGS += ["--checkpoint_every_steps", "2", "--keep_checkpoints", "100"]
 ARGS += ["--val_samples", "33"]
 TWO = ["--batch_size", "16"]  # x 2 processes x 2 micro-steps: a global batch of 64
 ONE = ["--batch_size", "32"]  # x 1 process x 2 micro-steps: the same global batch
-FSDP = ["--strategy", "fsdp", *task.FSDP_ARGS]
+# With activation checkpointing where the model has it: it must combine with sharding.
+CHECKPOINTING = (
+    ["--activation_checkpointing", "true"] if "activation_checkpointing" in Config.__dataclass_fields__ else []
+)
+FSDP = ["--strategy", "fsdp", *CHECKPOINTING]
 # Hybrid sharding: 4 processes (x 8 x 2 micro-steps: the same global batch) as 2 replicas of 2
 # shards, as --replicate_degree's default makes of 2 nodes x 2 GPUs.
 HSDP = ["--batch_size", "8", *FSDP, "--replicate_degree", "2"]
@@ -63,7 +89,8 @@ class Runs:
     @functools.cached_property
     def ddp(self):
         output_dir = self.tmp_path_factory.mktemp("ddp")
-        return output_dir, run_training(output_dir, *ARGS, *TWO, nproc=2, probe="record_grad_norms")
+        probes = "record_initial_weights,record_grad_norms"
+        return output_dir, run_training(output_dir, *ARGS, *TWO, nproc=2, probe=probes)
 
     @functools.cached_property
     def fsdp(self):
@@ -129,17 +156,24 @@ def test_fsdp_holds_half_the_model_state_per_process(runs):
     assert fsdp_mb <= 0.55 * ddp_mb, (fsdp_mb, ddp_mb)
 
 
-def test_meta_device_start_gives_the_weights_of_an_ordinary_start(runs):
-    """The sharded run starts from the weights that building the model on the CPU gives, and
-    so does a meta-device start without sharding (--init_on_meta under ddp)."""
+def test_both_strategies_start_from_the_weights_the_model_makes(runs):
+    """ddp and fsdp start from the same weights: those build_model(cfg) makes with torch seeded
+    by --seed, its own initialisation kept; or, for a model with init_weights, those of the
+    module-by-module start, which a meta-device start (--init_on_meta) gives too."""
     cfg = parse_config([*TINY, *ARGS, *TWO, *FSDP])
-    seed_everything(cfg.seed)
-    ordinary = build_module(cfg, torch.device("cpu")).state_dict()
-    sharded_start = torch.load(runs.fsdp[0] / "initial_weights.pt", weights_only=True)
-    meta_start = build_module(cfg, torch.device("cpu"), on_meta=True).state_dict()
-    for start in (sharded_start, meta_start):
-        assert start.keys() == ordinary.keys()
-        assert all(torch.equal(start[key], ordinary[key]) for key in ordinary)
+    ddp_start = torch.load(runs.ddp[0] / "initial_weights.pt", weights_only=True)
+    fsdp_start = torch.load(runs.fsdp[0] / "initial_weights.pt", weights_only=True)
+    with torch.device("meta"):
+        by_module = hasattr(model.build_model(cfg), "init_weights")
+    with float64_default():  # as the runs were
+        if by_module:
+            expected = build_module(cfg, model.build_model, torch.device("cpu"), on_meta=True).state_dict()
+        else:
+            torch.manual_seed(cfg.seed)
+            expected = model.build_model(cfg).state_dict()
+    for start in (ddp_start, fsdp_start):
+        assert start.keys() == expected.keys()
+        assert [key for key in expected if not torch.equal(start[key], expected[key])] == []
 
 
 def test_export_writes_one_weights_only_file_with_the_run_validation_loss(runs, tmp_path):
@@ -150,17 +184,21 @@ def test_export_writes_one_weights_only_file_with_the_run_validation_loss(runs, 
     assert result.returncode == 0, result.stderr
     state = torch.load(out, weights_only=True)
     cfg = Config(**state["config"])
-    model = build_model(cfg)
-    model.load_state_dict(state["model"])
-    model.eval()
-    _, val_set = build_datasets(cfg)
-    loss_sum, count = 0.0, 0
-    with torch.no_grad():
-        for inputs, targets in torch.utils.data.DataLoader(val_set, batch_size=64):
-            logits = model(inputs)
-            loss_sum += F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum").item()
-            count += targets.numel()
-    assert loss_sum / count == pytest.approx(read_metrics(fsdp_dir)[-1]["val_loss"], rel=1e-5)
+    functions = load_task()  # model.py's and dataset.py's
+    totals = {}
+    with float64_default(), torch.no_grad():
+        net = functions.build_model(cfg)
+        net.load_state_dict(state["model"])
+        net.eval()
+        _, val_set = functions.build_datasets(cfg)
+        for batch in torch.utils.data.DataLoader(val_set, batch_size=64):
+            batch = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, batch
+            )
+            for name, value in functions.evaluation_sums(net(model_inputs(batch)), batch).items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+    val_loss = functions.evaluation_metrics(totals)["val_loss"]
+    assert val_loss == pytest.approx(read_metrics(fsdp_dir)[-1]["val_loss"], rel=1e-5)
 
 
 def train_until_sigterm(output_dir, args, nproc, probe):

@@ -4,18 +4,19 @@ batch size or amp mode), bad files. Preemption and restarts: test_preemption.py.
 Every test runs real processes and compares against an uninterrupted run, bit for bit.
 """
 
+import dataclasses
 import os
 import shutil
 import signal
 from pathlib import Path
 
 import pytest
-import task
 import torch
 from conftest import (
     ARGS,
     LR,
     ONE,
+    TINY,
     TWO,
     assert_same_metrics,
     assert_same_parameters,
@@ -29,6 +30,9 @@ from conftest import (
 )
 
 import ddp_utils
+from config import Config
+from contract import load_task
+from model import ModelConfig
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
@@ -155,8 +159,22 @@ def test_another_world_size_continues_from_an_epoch_boundary(reference, tmp_path
         assert relative_difference(ours[key], theirs[key]) < 1e-4, key
 
 
+def shape_change():
+    """A change a checkpoint must refuse, and the line that says so: the first of model.py's
+    SHAPE_FIELDS that is a positive whole number of ModelConfig (0 is "read from the data"),
+    doubled."""
+    model_fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    tiny = dict(zip(TINY[::2], TINY[1::2]))
+    values = {name: int(tiny.get(f"--{name}", getattr(Config, name))) for name in load_task().shape_fields
+              if name in model_fields and model_fields[name].type is int}  # fmt: skip
+    name, value = next(((name, value) for name, value in values.items() if value > 0), (None, None))
+    if name is None:
+        pytest.skip("model.py's SHAPE_FIELDS name no positive whole-number field of ModelConfig")
+    return [f"--{name}", str(2 * value)], f"--{name} is {2 * value}, the checkpoint's is {value}"
+
+
 def test_checkpoint_of_another_model_shape_is_refused(reference, tmp_path):
-    change, message = task.SHAPE_CHANGE
+    change, message = shape_change()
     result = run_training(tmp_path, *ARGS, *change, "--resume", checkpoint(reference.two, 16), check=False)
     assert result.returncode == 1
     assert message in result.stdout
@@ -168,6 +186,13 @@ def test_resume_none_refuses_to_overwrite_a_run(reference, tmp_path):
     assert result.returncode == 1
     assert "--resume none, but" in result.stdout and "--resume auto" in result.stdout
     assert sorted(p.name for p in (output_dir / "checkpoints").iterdir()) == ["last.pt"]
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    """--keep_checkpoints 2: of the step files every 2 steps, the newest two stay (and last.pt)."""
+    run_training(tmp_path, "--max_steps", "8", "--checkpoint_every_steps", "2", "--keep_checkpoints", "2")
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["last.pt", "step_000000006.pt", "step_000000008.pt"], names
 
 
 def test_mid_epoch_checkpoint_resumes_on_another_world_size(reference, tmp_path):

@@ -157,3 +157,8 @@ class GPT(nn.Module):
 
 def build_model(cfg):
     return GPT(cfg)
+
+
+def tokens_per_sample(cfg):
+    """Predictions per sample, one per token of the window: train.py reports tokens/s."""
+    return cfg.block_size

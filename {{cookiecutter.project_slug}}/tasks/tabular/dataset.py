@@ -20,7 +20,11 @@ from loaders import mix_seed
 class DataConfig:
     """The data's knobs: fields of Config, each a --flag."""
 
-    dataset: str = knob("synthetic", "which dataset build_datasets returns", ("synthetic", "blobs"))
+    dataset: str = knob(
+        "synthetic",
+        "which dataset build_datasets returns (regression: one real-valued target per sample)",
+        ("synthetic", "blobs", "regression"),
+    )
     train_samples: int = knob(16384, "training samples")
     val_samples: int = knob(2048, "validation samples (all of them are evaluated, once)")
     input_dim: int = knob(32, "features per sample")
@@ -50,13 +54,16 @@ class SyntheticClassification(Dataset):
     batch at once (gaussian_noise).
     """
 
-    def __init__(self, num_samples, input_dim, num_classes, seed, split, noise_std=0.0):
+    def __init__(self, num_samples, input_dim, num_classes, seed, split, noise_std=0.0, regression=False):
         teacher = torch.Generator().manual_seed(mix_seed(seed, "teacher"))
         hidden = torch.randn(input_dim, 8 * num_classes, generator=teacher) / input_dim**0.5
         readout = torch.randn(8 * num_classes, num_classes, generator=teacher)
         samples = torch.Generator().manual_seed(mix_seed(seed, split))
         self.inputs = torch.randn(num_samples, input_dim, generator=samples)
-        self.targets = (torch.tanh(self.inputs @ hidden) @ readout).argmax(dim=1)
+        outputs = torch.tanh(self.inputs @ hidden) @ readout
+        # Regression: the network's first output, a real number (float targets: model.py's
+        # loss is then the mean squared error); else the index of its largest output.
+        self.targets = outputs[:, 0] if regression else outputs.argmax(dim=1)
         self.seed, self.noise_std = seed, noise_std
         # Shared memory: persistent DataLoader workers keep their copy of the dataset across
         # epochs, and still see the epoch the main process sets.
@@ -125,6 +132,7 @@ def build_datasets(cfg):
     if cfg.dataset == "blobs":
         train = GaussianBlobs(cfg.train_samples, split="train", **shape)
         return train, GaussianBlobs(cfg.val_samples, split="val", **shape)
+    shape["regression"] = cfg.dataset == "regression"
     train = SyntheticClassification(cfg.train_samples, split="train", noise_std=cfg.input_noise_std, **shape)
     val = SyntheticClassification(cfg.val_samples, split="val", **shape)
     return train, val

@@ -12,9 +12,9 @@ from conftest import DATA, PROJECT, load_final_model, read_metrics, run_training
 
 import metrics
 from config import Config
+from contract import load_task
 from dataset import TokenWindows
 from model import build_model
-from train import loss_fn
 
 pytestmark = pytest.mark.fixed_amp
 
@@ -70,8 +70,8 @@ def test_flop_count_includes_attention():
     """Counted as the model runs, forward and backward, against nanoGPT's estimate per token:
     6 N (N: parameters but the position embedding) + 12 L H Q T for attention."""
     cfg = Config(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
-    sample = (torch.zeros(128, dtype=torch.int64), torch.zeros(128, dtype=torch.int64))
-    counted = metrics.flops_per_sample(cfg, sample, loss_fn)
+    batch = (torch.zeros(1, 128, dtype=torch.int64), torch.zeros(1, 128, dtype=torch.int64))
+    counted = metrics.flops_per_sample(cfg, load_task(), batch)
     model = build_model(cfg)
     n = sum(p.numel() for p in model.parameters()) - model.pos_emb.weight.numel()
     estimate = 128 * (6 * n + 12 * 4 * 4 * (128 // 4) * 128)
@@ -86,6 +86,18 @@ def test_windows_are_read_from_a_memory_map_opened_by_each_process():
     x, y = windows[3]
     assert torch.equal(x[1:], y[:-1]) and x.dtype == torch.int64 and cfg.block_size == len(x)
     assert windows.tokens is not None and windows.__getstate__()["tokens"] is None  # workers open their own
+
+
+def test_training_windows_are_fresh_every_epoch_and_the_same_on_resume():
+    """Window i of epoch e starts where (seed, e, i) says: other windows next epoch (the model
+    sees more of the corpus), the same ones again for the same epoch (a resume, another rank)."""
+    windows = TokenWindows(DATA / "data" / "train.bin", block_size=16, num_samples=64, seed=0)
+    starts = []
+    for epoch in (0, 1, 0):
+        windows.set_epoch(epoch)
+        starts.append([windows.offset(i) for i in range(64)])
+    assert starts[0] == starts[2]
+    assert sum(a != b for a, b in zip(starts[0], starts[1])) > 60
 
 
 def test_prepare_data_without_input_uses_the_standard_library(tmp_path):

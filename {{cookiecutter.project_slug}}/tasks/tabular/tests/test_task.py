@@ -3,12 +3,12 @@
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from conftest import read_metrics, run_training
 
 import dataset
 import metrics
 from config import Config
+from contract import load_task
 from dataset import SyntheticClassification, build_datasets
 from loaders import build_loaders, start_epoch
 
@@ -59,11 +59,20 @@ def test_flops_per_sample_are_counted_as_the_model_runs():
     gradient, 2 for the input gradient, except the first layer's (inputs need no gradient)."""
     cfg = Config(input_dim=8, hidden_dim=16, num_classes=4)
     weights = 8 * 16 + 16 * 16 + 16 * 4
-    sample = (torch.zeros(8), torch.tensor(1))
-    assert metrics.flops_per_sample(cfg, sample, F.cross_entropy) == 6 * weights - 2 * 8 * 16
+    batch = (torch.zeros(1, 8), torch.tensor([1]))
+    assert metrics.flops_per_sample(cfg, load_task(), batch) == 6 * weights - 2 * 8 * 16
 
 
 def test_second_dataset_through_config(tmp_path):
     """The README's worked example: another dataset class, chosen with --dataset."""
     run_training(tmp_path, "--dataset", "blobs", "--epochs", "1")
     assert read_metrics(tmp_path)[0]["val_accuracy"] > 0.9
+
+
+def test_regression_by_editing_only_the_task_files(tmp_path):
+    """--dataset regression: real-valued targets, and model.py's loss (MSE) and metrics (R^2);
+    nothing outside dataset.py and model.py knows about it."""
+    run_training(tmp_path, "--dataset", "regression", "--epochs", "2", nproc=2)
+    first, last = read_metrics(tmp_path)
+    assert "val_accuracy" not in last
+    assert last["val_loss"] < first["val_loss"] and last["val_r2"] > 0.5, (first, last)
