@@ -45,11 +45,12 @@ def config_flags(path):
     cfg, defaults = parse_config(["--config", str(path)], resolve=False), Config()
     changed = [f.name for f in dataclasses.fields(Config) if getattr(cfg, f.name) != getattr(defaults, f.name)]
     values = {name: getattr(cfg, name) for name in changed if name != "output_dir"}
-    return [
-        text
-        for name, value in values.items()
-        for text in (f"--{name}", str(value).lower() if isinstance(value, bool) else str(value))
-    ]
+    return [text for name, value in values.items() for text in (f"--{name}", flag_text(value))]
+
+
+def flag_text(value):
+    """A config value as its flag takes it (booleans as true/false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # The task's smallest model (experiments/tiny.toml: its sizes and lr), on the shared sizes.

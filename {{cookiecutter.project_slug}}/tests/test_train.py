@@ -7,7 +7,7 @@ import re
 import pytest
 import task
 import torch
-from conftest import LR, PROJECT, load_final_model, read_metrics, run_training
+from conftest import LR, PROJECT, config_flags, flag_text, load_final_model, read_metrics, run_training
 
 from config import Config
 from model import build_model
@@ -41,7 +41,8 @@ def test_checkpoint_is_complete_and_loads_weights_only(two_process_run):
     assert (state["epoch"], state["step"]) == (3, 48)
     assert not any(key.startswith("module.") for key in state["model"])
     assert state["optimizer"]["state"], "optimizer state (AdamW moments) must be saved"
-    assert all(str(state["config"][flag[2:]]) == value for flag, value in zip(task.TINY[::2], task.TINY[1::2]))
+    tiny = config_flags(PROJECT / "experiments" / "tiny.toml")  # the model's sizes: saved as trained
+    assert all(flag_text(state["config"][flag[2:]]) == value for flag, value in zip(tiny[::2], tiny[1::2]))
     assert len(state["ranks"]) == 2
     json.dumps(state["config"])  # plain data
 
