@@ -109,7 +109,7 @@ import torch
 sys.path.insert(0, ".")
 import train
 
-run_batch, settle = train.Trainer._run_batch, train.Trainer._settle
+run_batch, settle = train.Trainer.train_step, train.Trainer.settle
 checked = []
 
 def checked_run_batch(self, *args, **kwargs):
@@ -122,7 +122,7 @@ def unchecked_settle(self):
     torch.cuda.set_sync_debug_mode(0)  # the epoch's end: evaluation and checkpoints may sync
     return settle(self)
 
-train.Trainer._run_batch, train.Trainer._settle = checked_run_batch, unchecked_settle
+train.Trainer.train_step, train.Trainer.settle = checked_run_batch, unchecked_settle
 code = train.main(sys.argv[1:])
 print(f"SYNC_CHECKED_STEPS {len(set(checked))}")
 sys.exit(code)

@@ -242,7 +242,7 @@ MUTANTS = [
     ),
     Mutant(
         "init_from_the_global_rng",
-        "weights drawn from the global generator: a meta-device start differs from an ordinary one",
+        "weights drawn from the global generator: a module-by-module start depends on the process's generator",
         "strategy.py",
         "        torch.manual_seed(mix_seed(seed, zlib.crc32(name.encode())))\n",
         "",

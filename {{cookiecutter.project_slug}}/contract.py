@@ -1,11 +1,25 @@
-"""The task contract: the one place the machinery reads the files a user edits.
+"""The task contract: the one place the machinery reads the files a user edits, and what it
+reads (`load_task()`, when training starts; only `build_model` is required).
 
-model.py and dataset.py state the contract in their docstrings. `load_task()` reads it when
-training starts: what the task defines, else the default below. Batches may be tensors,
-tuples/lists or dicts of tensors (nested too); the loop moves any of them to the device
-(`to_device`), counts samples by their first dimension (`batch_size`), and hands the model
-`model_inputs(batch)`: the first element of a tuple or list, a dict's "inputs", or the batch
-itself.
+dataset.py
+- `build_datasets(cfg) -> (train, val)`: map-style datasets. An item may be a tensor, a tuple
+  or list, or a dict of tensors (nested too): the loop moves any of them to the device
+  (`to_device`), counts samples by their first dimension (`batch_size`), and hands the model
+  `model_inputs(batch)`: a tuple's or list's first element, a dict's "inputs", or the batch.
+model.py
+- `build_model(cfg) -> nn.Module`: built as written, with torch seeded by --seed, under ddp
+  and fsdp alike (its own initialisation is kept).
+- `loss_fn(output, batch)`: the mean training loss. Default: cross-entropy against the
+  targets (a tuple's second element, a dict's "targets").
+- `evaluation_sums(output, batch) -> {name: sum}`: summed over every validation batch and
+  rank, then `evaluation_metrics(sums) -> {metric: value}`, which includes "val_loss".
+  Default: a classifier's loss and accuracy; with only a `loss_fn`, the loss alone.
+- `SHAPE_FIELDS`: config fields a checkpoint to resume must match. Default: none.
+- `tokens_per_sample(cfg)`: predictions per sample, for a tokens/s figure. Default: 1.
+- On the model, optionally: `shard_units()`, the blocks --strategy fsdp shards one by one
+  (default: the children of its largest nn.ModuleList/nn.Sequential); `init_weights(name,
+  module)`, an initialisation module by module, which lets a model too big for one process
+  start on the meta device (strategy.build_module).
 """
 
 from dataclasses import dataclass
@@ -45,18 +59,22 @@ def load_task():
     )
 
 
+def build_on_meta(build_model, cfg):
+    """`build_model(cfg)` on the meta device (no memory, no arithmetic, no random draws), or
+    None when its construction needs real tensors (a table computed in __init__, a file read)."""
+    try:
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
+            return build_model(cfg)
+    except Exception:  # noqa: BLE001 - any failure means: it cannot be built there
+        return None
+
+
 # --- batches of any structure ----------------------------------------------------------------
 
 
 def to_device(batch, device):
     """The batch with every tensor on `device` (pinned memory copies asynchronously)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(value, device) for value in batch)
-    return batch
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
 
 
 def model_inputs(batch):

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from config import RENAMED, Config
+from contract import build_on_meta
 from ddp_utils import CheckpointError, load_checkpoint, load_sharded_checkpoint, rank_zero_only
 from knobs import ConfigError, exit_with_error
 from model import build_model
@@ -32,9 +33,11 @@ def consolidated(path):
         cfg = Config(**{name: value for name, value in state["config"].items() if name not in RENAMED})
     except (TypeError, ConfigError) as error:
         raise CheckpointError(f"checkpoint {path} holds a config this project does not accept: {error}") from None
-    with torch.device("meta"):
-        model = build_model(cfg)  # only for the names and shapes: no memory, no initialisation
-    model.to_empty(device="cpu")
+    model = build_on_meta(build_model, cfg)  # only for the names and shapes: no memory, no initialisation
+    if model is None:  # its construction needs real tensors: built for real, then overwritten
+        model = build_model(cfg)
+    else:
+        model.to_empty(device="cpu")
     weights = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)

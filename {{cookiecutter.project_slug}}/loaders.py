@@ -2,7 +2,7 @@
 
 dataset.py says what the data is (`build_datasets`); this file decides which process sees
 which samples, in which order, with which random seeds. It works unchanged for any map-style
-Dataset of (input, target) pairs.
+Dataset, whatever its items hold (contract.py).
 """
 
 import functools

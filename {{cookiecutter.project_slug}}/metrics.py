@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from contract import model_inputs
+from contract import build_on_meta, model_inputs
 from ddp_utils import rank_zero_only
 from trackers import open_trackers
 
@@ -62,10 +62,8 @@ def flops_per_sample(cfg, task, batch):
     A model that cannot be built on the meta device counts as 0 (no MFU is reported).
     """
     batch = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), batch)
-    try:
-        with torch.device("meta"):
-            model = task.build_model(cfg)
-    except Exception:  # noqa: BLE001 - its construction needs real tensors
+    model = build_on_meta(task.build_model, cfg)
+    if model is None:
         return 0
     # Evaluation mode: the model's own FLOPs, without activation checkpointing's recompute
     # (MFU counts model FLOPs, not hardware FLOPs) or dropout.

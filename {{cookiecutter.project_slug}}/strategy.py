@@ -8,8 +8,9 @@
   (HSDP): each replica shards over its own processes, so the all-gathers stay inside a node,
   and only the gradient shards are all-reduced between replicas.
 
-train.py uses only what both offer (`model`, `module`, `sync_gradients`, `clip_gradients`,
-`save` and `load`), so the training loop is one loop. The weights start the same under both:
+train.py uses only what both offer (`model`, `module`, `name`, `sharded`, `sync_gradients`,
+`clip_gradients`, `save`, `load`, `wait_for_checkpoint` and `close`), so the training loop is
+one loop. The weights start the same under both:
 as the model's own code makes them (`build_module`).
 """
 
@@ -26,6 +27,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from contract import build_on_meta
 from ddp_utils import (
     CheckpointError,
     load_sharded_checkpoint,
@@ -70,7 +72,7 @@ def build_module(cfg, build_model, device, on_meta=False, shard=None):
       process never exists whole.
     """
     shard = shard or (lambda unit: None)
-    model = _build_on_meta(cfg, build_model)
+    model = build_on_meta(build_model, cfg)
     if model is None or not (on_meta or hasattr(model, "init_weights")):
         if model is None and on_meta:
             raise ConfigError("init_on_meta", "is true, but build_model(cfg) fails on the meta device: set it to false")
@@ -101,16 +103,6 @@ def build_module(cfg, build_model, device, on_meta=False, shard=None):
             module._apply(lambda t: t.to(device), recurse=False)  # in place: tied weights stay tied
         shard(unit)
     return model
-
-
-def _build_on_meta(cfg, build_model):
-    """The model built on the meta device (no memory, no random draws), or None when its
-    construction needs real tensors (a table computed in __init__, a file read)."""
-    try:
-        with torch.device("meta"), torch.random.fork_rng(devices=[]):
-            return build_model(cfg)
-    except Exception:  # noqa: BLE001 - any failure means: build it for real
-        return None
 
 
 def materialize(module, made, holders):
@@ -214,7 +206,7 @@ class DDPStrategy:
 
     def load(self, state, path, optimizer):
         if "model" not in state:  # sharded (fsdp): each rank reads the whole model from the shards
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.checkpoint_timeout_seconds))
+            group = checkpoint_group(self.cfg)
             read_sharded_state(self.module, optimizer, path, group)
             dist.destroy_process_group(group)
             return
@@ -271,8 +263,7 @@ class FSDPStrategy:
         self.module = self.model = build_module(cfg, build_model, ctx.device, on_meta=cfg.init_on_meta, shard=shard)
         # Checkpoint collectives run on a group of their own: an asynchronous save overlaps
         # the next steps, whose collectives use the default group.
-        timeout = timedelta(seconds=cfg.checkpoint_timeout_seconds)  # a slow file system, not a dead peer
-        self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.checkpoint_group = checkpoint_group(cfg)
         self.pending = None
         self.stager = None
         if cfg.async_checkpoint:
@@ -336,6 +327,12 @@ def hsdp_replicas(cfg, ctx):
     if ctx.world_size % replicas:
         raise ConfigError("replicate_degree", f"{replicas} does not divide the {ctx.world_size} processes")
     return replicas
+
+
+def checkpoint_group(cfg):
+    """A gloo group for checkpoint collectives, with --checkpoint_timeout_seconds: a slow file
+    system, not a dead peer."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.checkpoint_timeout_seconds))
 
 
 def group_settings(timeout_seconds):

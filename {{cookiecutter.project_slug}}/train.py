@@ -183,9 +183,9 @@ class Trainer:
             warmup_samples=cfg.warmup_steps * self.global_batch,  # kept from the first start on resume
         )
 
-        # Same initial weights on every rank, however the model is spread (strategy.py: DDP
-        # or FSDP, chosen by --strategy); afterwards each rank gets its own stream for anything
-        # random it does.
+        # The same generators on every rank while the model is built (strategy.py seeds torch
+        # for the weights itself; this covers Python's and NumPy's too); afterwards each rank
+        # gets its own stream for anything random it does.
         if ctx.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels once
             set_tf32(cfg.tf32)
@@ -632,7 +632,8 @@ class Trainer:
             sums = self.task.evaluation_sums(output, batch)
             # A batch run only to keep the ranks' all-gathers in step counts nowhere.
             values = torch.stack([torch.as_tensor(v, device=self.ctx.device).double() for v in sums.values()])
-            names, totals = list(sums), torch.zeros_like(values) if totals is None else totals
+            if totals is None:
+                names, totals = list(sums), torch.zeros_like(values)
             if counted:
                 totals += values
                 samples += batch_size(batch)

@@ -3,6 +3,7 @@
 The README's "Correctness guarantees" section names these tests.
 """
 
+import functools
 import math
 import random
 from types import SimpleNamespace
@@ -11,11 +12,11 @@ import numpy as np
 import pytest
 import task
 import torch
-from conftest import TINY, load_final_model, probe_output, read_metrics, relative_difference, run_training
+from conftest import TINY_CONFIG, load_final_model, probe_output, read_metrics, relative_difference, run_training
 from torch.utils.data import Dataset, get_worker_info
 
 import loaders
-from config import Config, parse_config
+from config import Config
 from contract import load_task
 
 pytestmark = pytest.mark.fixed_amp  # exact comparisons need --amp none; set per run below
@@ -42,11 +43,12 @@ def equivalent_runs(tmp_path_factory):
     return runs
 
 
+@functools.cache
 def compared_runs():
     """2 x 32 always; 2 x 16 with accumulation only where micro-batches leave results alone
     (not with BatchNorm, whose statistics are those of each micro-batch)."""
     with torch.device("meta"):
-        model = load_task().build_model(parse_config(TINY, resolve=False))
+        model = load_task().build_model(TINY_CONFIG)
     batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     return ("2x32",) if batchnorm else ("2x32", "2x16_accum2")
 

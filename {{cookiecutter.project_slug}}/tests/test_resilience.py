@@ -16,7 +16,7 @@ from conftest import (
     ARGS,
     LR,
     ONE,
-    TINY,
+    TINY_CONFIG,
     TWO,
     assert_same_metrics,
     assert_same_parameters,
@@ -30,7 +30,6 @@ from conftest import (
 )
 
 import ddp_utils
-from config import Config
 from contract import load_task
 from model import ModelConfig
 
@@ -164,8 +163,7 @@ def shape_change():
     SHAPE_FIELDS that is a positive whole number of ModelConfig (0 is "read from the data"),
     doubled."""
     model_fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    tiny = dict(zip(TINY[::2], TINY[1::2]))
-    values = {name: int(tiny.get(f"--{name}", getattr(Config, name))) for name in load_task().shape_fields
+    values = {name: getattr(TINY_CONFIG, name) for name in load_task().shape_fields
               if name in model_fields and model_fields[name].type is int}  # fmt: skip
     name, value = next(((name, value) for name, value in values.items() if value > 0), (None, None))
     if name is None:

@@ -1,8 +1,8 @@
 """A decoder-only transformer (GPT) that predicts the next token, nanoGPT-style.
 
 Pre-LayerNorm blocks of causal self-attention and a GELU MLP, learned position embeddings,
-and an output layer that shares its weights with the token embedding. train.py only calls
-`build_model`; the knobs are the ModelConfig fields below, each a --flag.
+and an output layer that shares its weights with the token embedding. What train.py reads from
+this file: contract.py's docstring. The knobs are the ModelConfig fields below, each a --flag.
 """
 
 import json

@@ -1,19 +1,5 @@
-"""The model, its loss and its validation metrics: this file and dataset.py are the task.
-
-What train.py uses from here (contract.py reads it; only `build_model` is required):
-- `build_model(cfg) -> nn.Module`: built as written, with torch seeded by --seed, under ddp
-  and fsdp alike (your initialisation is kept). Its forward gets the batch's inputs: the first
-  element of a tuple or list, a dict's "inputs", or the batch itself.
-- `loss_fn(output, batch)`: the mean training loss. Default: cross-entropy against batch[1].
-- `evaluation_sums(output, batch) -> {name: sum}`: summed over every validation batch and
-  rank, then `evaluation_metrics(sums) -> {metric: value}`, which must include "val_loss".
-  Default: the loss and accuracy of a classifier.
-- `SHAPE_FIELDS`: config fields a checkpoint to resume must match. Default: none.
-- On the model, optionally: `shard_units()`, the blocks --strategy fsdp shards one by one
-  (default: the children of its largest nn.ModuleList/nn.Sequential); `init_weights(name,
-  module)`, an initialisation module by module, which lets a model too big for one process
-  start on the meta device.
-- `tokens_per_sample(cfg)`: predictions per sample, for a tokens/s figure. Default: 1.
+"""The model, its loss and its validation metrics: this file and dataset.py are the task (what
+train.py reads from them: contract.py's docstring).
 
 This task is a classifier, or a regression (MSE, R^2) with --dataset regression: the dtype of
 the targets tells which.
@@ -24,7 +10,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import nn
 
-from contract import classification_metrics, classification_sums
+from contract import classification_metrics, classification_sums, cross_entropy, targets
 from knobs import ConfigError, knob
 
 # A checkpoint to resume must match these (the other fields may change between runs).
@@ -70,22 +56,22 @@ def build_model(cfg):
 
 def loss_fn(output, batch):
     """Cross-entropy against class indices; the mean squared error against real-valued targets."""
-    _, targets = batch
-    if targets.is_floating_point():
-        return F.mse_loss(output.squeeze(-1), targets)
-    return F.cross_entropy(output, targets)
+    values = targets(batch)
+    if values.is_floating_point():
+        return F.mse_loss(output.squeeze(-1), values)
+    return cross_entropy(output, batch)
 
 
 def evaluation_sums(output, batch):
-    _, targets = batch
-    if not targets.is_floating_point():
+    values = targets(batch)
+    if not values.is_floating_point():
         return classification_sums(output, batch)
-    output = output.squeeze(-1).to(targets.dtype)
+    output = output.squeeze(-1).to(values.dtype)
     return {
-        "squared_error": (output - targets).square().sum(),
-        "targets": targets.sum(),
-        "squared_targets": targets.square().sum(),
-        "samples": len(targets),
+        "squared_error": (output - values).square().sum(),
+        "targets": values.sum(),
+        "squared_targets": values.square().sum(),
+        "samples": len(values),
     }
 
 

@@ -1,5 +1,5 @@
-"""The model: a small ResNet for image classification. Replace `build_model` to train your own;
-train.py only calls it."""
+"""The model: a small ResNet for image classification. Replace `build_model` to train your own
+(what train.py reads from this file: contract.py's docstring)."""
 
 from dataclasses import dataclass
 
