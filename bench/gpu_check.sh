@@ -142,7 +142,7 @@ import sys, time
 import torch
 import torch.distributed as dist
 sys.path.insert(0, ".")
-from ddp_utils import setup_distributed
+from ddp_utils.dist import setup_distributed
 
 ctx = setup_distributed(timeout_seconds=5, trace_dir=sys.argv[1])
 value = torch.ones(1024, device=ctx.device)
@@ -283,7 +283,7 @@ for fused in true false; do
 import sys
 import torch
 sys.path.insert(0, ".")
-import strategy
+from ddp_utils import strategy
 import train
 
 fused = sys.argv.pop() == "true"

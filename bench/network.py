@@ -1,5 +1,5 @@
 """The network table: for each link rate and comm hook, the step time of 2 hosts against 1, and
-the preflight's prediction beside it. Needs root (two network-namespace hosts, tests/netns.py).
+the preflight's prediction beside it. Needs root (two network-namespace hosts, tests/cluster/netns.py).
 
     bash dev/bench.sh --network                 # unlimited, 1gbit, 100mbit, 20mbit x none, bf16, powersgd
     bash dev/bench.sh --network --rates 20mbit --hooks none
@@ -77,8 +77,8 @@ def main():
     os.environ["OMP_NUM_THREADS"] = "1"
     work = Path(tempfile.mkdtemp(prefix="network-bench-"))
     project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work)))
-    # The project's own rig and helpers (tests/netns.py, tests/nodes.py), as its tests use them.
-    sys.path[:0] = [str(project / "tests"), str(project)]
+    # The project's own rig and helpers (tests/cluster/netns.py and nodes.py), as its tests use them.
+    sys.path[:0] = [str(project / "tests" / "cluster"), str(project / "tests"), str(project)]
     os.chdir(project)
     import netns
     import nodes

@@ -47,7 +47,7 @@ MUTANTS = [
     Mutant(
         "sampler_ignores_epoch",
         "every epoch sees the same order",
-        "loaders.py",
+        "ddp_utils/data.py",
         "manual_seed(mix_seed(self.seed, self.epoch))",
         "manual_seed(mix_seed(self.seed, 0))",
         ("tests/test_data.py::test_epochs_and_seeds_change_the_order",),
@@ -55,7 +55,7 @@ MUTANTS = [
     Mutant(
         "no_sync_dropped",
         "gradients all-reduced on every micro-step",
-        "strategy.py",
+        "ddp_utils/strategy.py",
         "return contextlib.nullcontext() if sync else self.model.no_sync()",
         "return contextlib.nullcontext()",
         (f"{CORRECTNESS}::test_accumulation_all_reduces_once_per_optimizer_step",),
@@ -71,7 +71,7 @@ MUTANTS = [
     Mutant(
         "per_rank_mean_evaluation",
         "validation averages the ranks' averages",
-        "train.py",
+        "ddp_utils/evaluation.py",
         "        dist.all_reduce(totals)  # sums and counts, not an average of per-rank averages\n",
         "        totals[:-1] /= totals[-1]\n"
         "        dist.all_reduce(totals)\n"
@@ -81,7 +81,7 @@ MUTANTS = [
     Mutant(
         "padded_validation",
         "validation pads ranks to equal size (DistributedSampler)",
-        "loaders.py",
+        "ddp_utils/data.py",
         "val_sampler = range(ctx.rank, len(val_set), ctx.world_size)",
         "val_sampler = [i % len(val_set) for i in range(ctx.rank, -(-len(val_set) // ctx.world_size) * "
         "ctx.world_size, ctx.world_size)]",
@@ -90,7 +90,7 @@ MUTANTS = [
     Mutant(
         "non_atomic_save",
         "checkpoints written in place",
-        "ddp_utils.py",
+        "ddp_utils/checkpoint_files.py",
         '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(tmp, "wb") as f:',
         '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(path, "wb") as f:',
         (f"{RESILIENCE}::test_a_crash_during_any_checkpoint_write_loses_nothing",),
@@ -98,7 +98,7 @@ MUTANTS = [
     Mutant(
         "non_atomic_last",
         "last.pt written in place after the numbered file",
-        "ddp_utils.py",
+        "ddp_utils/checkpoint_files.py",
         "            _atomic_link(numbered, last, state)",
         "            torch.save(state, last)",
         (f"{RESILIENCE}::test_a_crash_during_any_checkpoint_write_loses_nothing",),
@@ -106,7 +106,7 @@ MUTANTS = [
     Mutant(
         "optimizer_not_restored",
         "resume starts AdamW's moments afresh",
-        "strategy.py",
+        "ddp_utils/strategy.py",
         "        optimizer.load_state_dict(saved)\n",
         "",
         (f"{RESILIENCE}::test_resume_mid_epoch_is_bit_identical",),
@@ -114,7 +114,7 @@ MUTANTS = [
     Mutant(
         "rng_not_restored",
         "resume restarts the random generators",
-        "train.py",
+        "ddp_utils/checkpoint.py",
         '            set_rng_state(ranks[self.ctx.rank]["rng"])\n',
         "",
         (f"{RESILIENCE}::test_resume_mid_epoch_restores_the_random_generators",),
@@ -122,7 +122,7 @@ MUTANTS = [
     Mutant(
         "stop_decided_alone",
         "a rank acts on its own stop request without the others",
-        "train.py",
+        "ddp_utils/faults.py",
         '                f"{step} (--max_skipped_steps); {fixes}"\n            )\n        return stop\n',
         '                f"{step} (--max_skipped_steps); {fixes}"\n            )\n        return self.stop.requested\n',
         (f"{CORRECTNESS}::test_stop_request_on_one_rank_stops_every_rank_together",),
@@ -131,9 +131,10 @@ MUTANTS = [
         "non_finite_decided_alone",
         "the non-finite check uses this rank's loss only",
         "train.py",
-        "        stop, loss_not_finite, grads_not_finite, low_scale, too_many_skips = agreement.result()\n",
-        "        stop, loss_not_finite, grads_not_finite, low_scale, too_many_skips = agreement.result()\n"
-        "        loss_not_finite = not torch.isfinite(self.loss_totals[0])\n",
+        "        return self.checks.decide(agreement.result(), step, self.epoch)\n",
+        "        agreed = agreement.result()\n"
+        "        agreed[1] = not torch.isfinite(self.loss_totals[0])  # this rank's loss only\n"
+        "        return self.checks.decide(agreed, step, self.epoch)\n",
         (f"{CORRECTNESS}::test_non_finite_loss_on_one_rank_stops_every_rank",),
     ),
     Mutant(
@@ -158,12 +159,12 @@ MUTANTS = [
         "scripts/launch.sh",
         '--node-rank="$NODE_RANK"',
         "--node-rank=0",
-        ("tests/test_multinode.py::test_two_launches_on_this_machine_equal_one_node",),
+        ("tests/cluster/test_multinode.py::test_two_launches_on_this_machine_equal_one_node",),
     ),
     Mutant(
         "store_prefix_removed",
         "restarted groups share store keys with dead ones",
-        "ddp_utils.py",
+        "ddp_utils/dist.py",
         "        store = dist.PrefixStore(group_prefix(os.environ, world_size), store)\n",
         "",
         (f"{PREEMPTION}::test_each_restart_and_group_size_gets_its_own_store_keys",),
@@ -184,17 +185,17 @@ MUTANTS = [
     Mutant(
         "fp16_scale_floor_ignored",
         "fp16 goes on with a vanishing loss scale",
-        "train.py",
-        "            low_scale = new_scale < cfg.min_loss_scale\n",
+        "ddp_utils/faults.py",
+        "            low_scale = new_scale < self.cfg.min_loss_scale\n",
         "            low_scale = False\n",
         (f"{CORRECTNESS}::test_fp16_failure_stops_every_rank_with_one_line_naming_the_knobs",),
     ),
     Mutant(
         "fp16_nan_loss_ignored",
         "a NaN loss under fp16 is taken for an overflow",
-        "train.py",
-        "        if loss_not_finite or (grads_not_finite and not fp16):",
-        "        if (loss_not_finite or grads_not_finite) and not fp16:",
+        "ddp_utils/faults.py",
+        "        if loss_not_finite or (grads_not_finite and not self.fp16):",
+        "        if (loss_not_finite or grads_not_finite) and not self.fp16:",
         (f"{CORRECTNESS}::test_fp16_failure_stops_every_rank_with_one_line_naming_the_knobs",),
     ),
     Mutant(
@@ -208,7 +209,7 @@ MUTANTS = [
     Mutant(
         "checkpoint_wait_in_a_collective",
         "ranks wait for rank 0's write in a collective",
-        "ddp_utils.py",
+        "ddp_utils/checkpoint_files.py",
         '    error = store_barrier(ctx, f"checkpoint_step_{step}", error, timeout_seconds)\n',
         "    any_rank(error is not None, device=ctx.device)\n",
         (f"{PREEMPTION}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
@@ -232,7 +233,7 @@ MUTANTS = [
     Mutant(
         "fsdp_clip_per_shard",
         "fsdp: each rank clips its gradient shards by their own norm",
-        "strategy.py",
+        "ddp_utils/strategy.py",
         "        return torch.nn.utils.clip_grad_norm_(parameters, max_norm).full_tensor()\n",
         "        shards = [p.grad.to_local() for p in parameters]\n"
         "        norm = torch.nn.utils.get_total_norm(shards)\n"
@@ -243,7 +244,7 @@ MUTANTS = [
     Mutant(
         "init_from_the_global_rng",
         "weights drawn from the global generator: a module-by-module start depends on the process's generator",
-        "strategy.py",
+        "ddp_utils/strategy.py",
         "        torch.manual_seed(mix_seed(seed, zlib.crc32(name.encode())))\n",
         "",
         (f"{FSDP}::test_both_strategies_start_from_the_weights_the_model_makes",),
@@ -251,16 +252,16 @@ MUTANTS = [
     Mutant(
         "fsdp_evaluation_not_in_step",
         "fsdp: a rank with fewer validation batches stops all-gathering before the others",
-        "train.py",
-        "        if self.strategy.sharded:\n",
+        "ddp_utils/data.py",
+        "    if sharded:\n",
         "        if False:\n",
         (f"{FSDP}::test_fsdp_trains_the_same_parameters_as_ddp",),
     ),
     Mutant(
         "async_save_not_awaited_on_stop",
         "fsdp: the process exits with its asynchronous checkpoint unfinished",
-        "train.py",
-        "        if stop or stopping:  # the process exits next: an asynchronous save must be complete\n",
+        "ddp_utils/checkpoint.py",
+        "        if stopping:\n",
         "        if False:\n",
         (f"{FSDP}::test_sigterm_under_fsdp_saves_shards_and_resume_is_exact",),
     ),
@@ -294,7 +295,7 @@ MUTANTS = [
     Mutant(
         "dataloader_workers_die_on_sigterm",
         "DataLoader workers keep torch's SIGTERM handler: a stop signal kills them before the checkpoint",
-        "loaders.py",
+        "ddp_utils/data.py",
         "        worker_init_fn=functools.partial(ignore_stop_signals, main_pid=os.getpid()),\n",
         "",
         (f"{PREEMPTION}::test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact",),
@@ -302,15 +303,15 @@ MUTANTS = [
     Mutant(
         "stop_status_lost",
         "after a signal stop the nodes exit with torchrun's 1, not 143: a preemption looks like a crash",
-        "train.py",
-        "        write_stop_status(128 + stop.signum)\n",
+        "ddp_utils/faults.py",
+        "                write_stop_status(self.code)\n",
         "",
         (f"{PREEMPTION}::test_sigterm_to_one_node_stops_every_node_with_the_preemption_status",),
     ),
     Mutant(
         "cpu_when_gpus_were_asked_for",
         "GPUs given but CUDA unusable: every rank trains on the CPU without a word",
-        "ddp_utils.py",
+        "ddp_utils/dist.py",
         '    asked = "--device cuda" if device == "cuda" else gpus_requested(environ)',
         "    asked = None",
         ("tests/test_diagnosis.py::test_gpus_asked_for_but_cuda_unusable_stops_with_one_line",),
@@ -318,7 +319,7 @@ MUTANTS = [
     Mutant(
         "weight_decay_ignored",
         "--weight_decay silently ignored (AdamW built with 0)",
-        "strategy.py",
+        "ddp_utils/strategy.py",
         '"weight_decay": cfg.weight_decay}',
         '"weight_decay": 0.0}',
         ("tests/test_train.py::test_weight_decay_shrinks_matrices_and_never_biases_or_norms",),
@@ -326,7 +327,7 @@ MUTANTS = [
     Mutant(
         "weight_decay_on_norms_and_biases",
         "one weight decay for every parameter, LayerNorm gains and biases included",
-        "strategy.py",
+        "ddp_utils/strategy.py",
         '{"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0}',
         '{"params": [p for p in parameters if p.dim() < 2], "weight_decay": cfg.weight_decay}',
         ("tests/test_train.py::test_weight_decay_shrinks_matrices_and_never_biases_or_norms",),
@@ -334,7 +335,7 @@ MUTANTS = [
     Mutant(
         "one_group_state_misplaced",
         "an old one-group checkpoint's Adam moments go to the wrong parameters in the two groups",
-        "strategy.py",
+        "ddp_utils/checkpoint_files.py",
         "    new_index = {old_index[id(p)]: i for i, p in enumerate(ours)}",
         "    new_index = {i: i for i in range(len(ours))}",
         (f"{RESILIENCE}::test_checkpoint_of_the_one_group_optimizer_resumes_with_its_state",),
@@ -342,7 +343,7 @@ MUTANTS = [
     Mutant(
         "checkpoint_read_whole",
         "every rank reads the whole checkpoint into memory instead of mapping it",
-        "ddp_utils.py",
+        "ddp_utils/checkpoint_files.py",
         'map_location="cpu", mmap=True,',
         'map_location="cpu",',
         (f"{RESILIENCE}::test_resume_maps_the_checkpoint_into_host_memory",),
@@ -350,7 +351,7 @@ MUTANTS = [
     Mutant(
         "staging_buffers_allocated_per_save",
         "fsdp: each asynchronous save stages into freshly allocated host memory (DCP's default stager)",
-        "ddp_utils.py",
+        "ddp_utils/checkpoint_files.py",
         ", async_stager=stager)",
         ")",
         (f"{FSDP}::test_sigterm_under_fsdp_saves_shards_and_resume_is_exact",),
@@ -358,7 +359,7 @@ MUTANTS = [
     Mutant(
         "tf32_through_the_legacy_flags",
         "TF32 set with torch.backends.cuda.matmul.allow_tf32, which torch refuses to mix with fp32_precision",
-        "ddp_utils.py",
+        "ddp_utils/dist.py",
         "    torch.backends.cuda.matmul.fp32_precision = precision\n",
         "    torch.backends.cuda.matmul.allow_tf32 = enabled\n",
         ("tests/test_diagnosis.py::test_tf32_is_set_through_torchs_fp32_precision_api_only",),
@@ -366,7 +367,7 @@ MUTANTS = [
     Mutant(
         "hsdp_without_its_mesh",
         "fsdp shards over every process whatever --replicate_degree says (no 2-D mesh)",
-        "strategy.py",
+        "ddp_utils/strategy.py",
         "fully_shard(unit, mesh=self.mesh, ",
         "fully_shard(unit, ",
         (f"{FSDP}::test_hsdp_trains_the_same_parameters_as_ddp",),
@@ -374,7 +375,7 @@ MUTANTS = [
     Mutant(
         "hsdp_groups_with_default_timeout",
         "the device mesh's process groups get torch's default timeout, not --timeout_seconds",
-        "strategy.py",
+        "ddp_utils/strategy.py",
         ",\n                                         backend_override=dict.fromkeys(names, group))",
         ")",
         (f"{FSDP}::test_hsdp_trains_the_same_parameters_as_ddp",),
@@ -382,7 +383,7 @@ MUTANTS = [
     Mutant(
         "user_init_thrown_away",
         "every module's reset_parameters() rerun after build_model: the model's own init is lost",
-        "strategy.py",
+        "ddp_utils/strategy.py",
         "            model = build_model(cfg).to(device)\n",
         "            model = build_model(cfg).to(device)\n"
         '            [m.reset_parameters() for m in model.modules() if hasattr(m, "reset_parameters")]\n',
@@ -392,7 +393,7 @@ MUTANTS = [
     Mutant(
         "fsdp_always_from_meta",
         "fsdp initialises module by module on the meta device even for a model without init_weights",
-        "strategy.py",
+        "ddp_utils/strategy.py",
         "on_meta=cfg.init_on_meta, shard=shard)",
         "on_meta=True, shard=shard)",
         (f"{FSDP}::test_both_strategies_start_from_the_weights_the_model_makes",),
@@ -401,7 +402,7 @@ MUTANTS = [
     Mutant(
         "keep_checkpoints_ignored_for_one_file",
         "--keep_checkpoints ignored for single-file (ddp) checkpoints: no step file is ever pruned",
-        "ddp_utils.py",
+        "ddp_utils/checkpoint_files.py",
         'sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]',
         "[]",
         (f"{RESILIENCE}::test_only_the_newest_checkpoints_are_kept",),

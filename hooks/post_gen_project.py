@@ -16,7 +16,7 @@ OPTIONAL_FILES = {
     "k8s": ("kubernetes", "yes"),  # a folder: removed whole
     "Dockerfile": ("kubernetes", "yes"),
     ".dockerignore": ("kubernetes", "yes"),
-    "tests/test_kubernetes.py": ("kubernetes", "yes"),
+    "tests/cluster/test_kubernetes.py": ("kubernetes", "yes"),
 }
 
 

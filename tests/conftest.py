@@ -39,7 +39,7 @@ TASKS = ("language", "vision", "tabular")  # the first is the default
 
 # The files each optional answer keeps, as hooks/post_gen_project.py removes them otherwise.
 KUBERNETES_FILES = {"k8s/trainjob.yaml", "k8s/jobset.yaml", "k8s/pvc.yaml", "Dockerfile", ".dockerignore",
-                    "tests/test_kubernetes.py"}  # fmt: skip
+                    "tests/cluster/test_kubernetes.py"}  # fmt: skip
 OPTIONAL = {"slurm": {"scripts/slurm.sbatch"}, "kubernetes": KUBERNETES_FILES}
 
 

@@ -14,7 +14,14 @@ def test_default_bake_has_the_expected_files(default_project):
     assert default_project.name == "ddp_training"
     baked = {str(p.relative_to(default_project)) for p in project_files(default_project)}
     assert baked == template_files("language")
-    assert {"config.py", "ddp_utils.py", "dataset.py", "train.py", "scripts/launch.sh", "scripts/slurm.sbatch"} <= baked
+    assert {
+        "config.py",
+        "ddp_utils/__init__.py",
+        "dataset.py",
+        "train.py",
+        "scripts/launch.sh",
+        "scripts/slurm.sbatch",
+    } <= baked
     assert {"prepare_data.py", "sample.py", "tests/test_task.py"} <= baked and "predict.py" not in baked
 
 
@@ -127,12 +134,13 @@ def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prom
     assert line.startswith(f"error: {prompt} ")
 
 
-GENERATED_TEST_MODULES = sorted(
-    p.name for p in (TEMPLATE / "{{cookiecutter.project_slug}}" / "tests").glob("test_*.py")
-) + ["test_task.py"]
-GENERATED_TEST_MODULES.remove("test_kubernetes.py")  # kubernetes=no here: the tabular bake runs it
+GENERATED_TESTS = TEMPLATE / "{{cookiecutter.project_slug}}" / "tests"
+GENERATED_TEST_MODULES = sorted(str(p.relative_to(GENERATED_TESTS)) for p in GENERATED_TESTS.rglob("test_*.py")) + [
+    "test_task.py"
+]
+GENERATED_TEST_MODULES.remove("cluster/test_kubernetes.py")  # kubernetes=no here: the tabular bake runs it
 # These time training against a prediction: dev/test.sh runs them after the others, alone.
-ALONE = {"test_network.py"}
+ALONE = {"cluster/test_network.py"}
 
 
 @pytest.mark.parametrize(
@@ -163,7 +171,7 @@ EXTRA = {
     "tabular": (
         {"kubernetes": "yes"},
         [
-            "tests/test_kubernetes.py",
+            "tests/cluster/test_kubernetes.py",
             "tests/test_fsdp.py::test_fsdp_trains_the_same_parameters_as_ddp",
             "tests/test_fsdp.py::test_both_strategies_start_from_the_weights_the_model_makes",
             "tests/test_fsdp.py::test_export_writes_one_weights_only_file_with_the_run_validation_loss",
@@ -217,14 +225,18 @@ def test_other_amp_defaults_train(cookies, amp):
 
 
 def test_a_non_editable_install_imports_every_entry_point(default_project, tmp_path):
-    """`pip install .` (not editable) installs every top-level module: setup.py lists them all,
-    so a module added later (strategy.py, export.py once) cannot be left out."""
+    """`pip install .` (not editable) installs every top-level module and the whole ddp_utils
+    package: setup.py finds them all, so a module added later (strategy.py, export.py once)
+    cannot be left out."""
     target = tmp_path / "site"
     result = run(["python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
                   str(default_project)], cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     scripts = sorted(p.stem for p in default_project.glob("*.py") if p.stem != "setup")
     assert sorted(p.stem for p in target.glob("*.py")) == scripts
+    machinery = sorted(f"ddp_utils.{p.stem}" for p in (default_project / "ddp_utils").glob("*.py"))
+    assert sorted(f"ddp_utils.{p.stem}" for p in (target / "ddp_utils").glob("*.py")) == machinery
+    scripts += [m for m in machinery if m != "ddp_utils.__init__"]
     code = "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]"
     env = {**os.environ, "PYTHONPATH": str(target)}
     result = run(["python", "-c", code, *scripts], cwd=tmp_path, env_override=env)  # not the project folder

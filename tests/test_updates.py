@@ -58,9 +58,9 @@ def test_post_gen_hook_only_removes_listed_files_and_is_idempotent(tmp_path):
     hook = load_hook("post_gen_project")
     (tmp_path / "scripts").mkdir()
     (tmp_path / "k8s").mkdir()
-    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "cluster").mkdir(parents=True)
     names = ("scripts/slurm.sbatch", "scripts/launch.sh", "train.py", "k8s/jobset.yaml", "Dockerfile",
-             "tests/test_kubernetes.py", "tests/test_train.py")  # fmt: skip
+             "tests/cluster/test_kubernetes.py", "tests/test_train.py")  # fmt: skip
     for name in names:
         (tmp_path / name).write_text("x")
     hook.remove_unwanted(tmp_path, {"slurm": "no", "kubernetes": "no"})
@@ -81,7 +81,7 @@ def test_post_gen_hook_puts_the_chosen_task_in_place_once(tmp_path):
         (tmp_path / "tasks" / task / "tests").mkdir(parents=True)
         (tmp_path / "tasks" / task / "model.py").write_text(task)
         (tmp_path / "tasks" / task / "tests" / "test_task.py").write_text(task)
-    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "cluster").mkdir(parents=True)
     (tmp_path / "train.py").write_text("shared")
     hook.place_task_files(tmp_path, "vision")
     hook.place_task_files(tmp_path, "vision")  # again, as cruft does on every update: no change

@@ -27,10 +27,10 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from dataset import DataConfig
-from ddp_utils import write_atomically
-from knobs import ConfigError, OneLineParser, exit_with_error, knob
+from ddp_utils.checkpoint_files import write_atomically
+from ddp_utils.knobs import ConfigError, OneLineParser, exit_with_error, knob
 from model import ModelConfig
-from trackers import TRACKERS
+from ddp_utils.trackers import TRACKERS
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 
 from config import RENAMED, Config
-from contract import build_on_meta
-from ddp_utils import CheckpointError, load_checkpoint, load_sharded_checkpoint, rank_zero_only
-from knobs import ConfigError, exit_with_error
+from ddp_utils.checkpoint_files import load_checkpoint, load_sharded_checkpoint
+from ddp_utils.contract import build_on_meta
+from ddp_utils.faults import CheckpointError
+from ddp_utils.knobs import ConfigError, exit_with_error
+from ddp_utils.logs import rank_zero_only
 from model import build_model
 
 

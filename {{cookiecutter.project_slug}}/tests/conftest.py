@@ -114,6 +114,18 @@ def read_metrics(output_dir):
 def pytest_configure(config):
     config.addinivalue_line("markers", "fixed_amp: sets --amp itself, so the project's default amp does not matter")
     config.addinivalue_line("markers", "alone: times things; run with nothing else on the machine")
+    config.addinivalue_line(
+        "markers", "cluster: a SLURM cluster, network-namespace hosts or Kubernetes manifests (tests/cluster/)"
+    )
+
+
+def pytest_collection_modifyitems(items):
+    """Everything under tests/cluster/ is marked `cluster`: `pytest -m "not cluster"` runs the
+    unit and 2-process tests alone (the cluster tests skip by themselves where they cannot run)."""
+    cluster = Path(__file__).parent / "cluster"
+    for item in items:
+        if cluster in Path(item.path).parents:
+            item.add_marker(pytest.mark.cluster)
 
 
 def relative_difference(a, b):

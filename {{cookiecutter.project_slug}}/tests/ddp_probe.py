@@ -21,10 +21,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import contract  # noqa: E402
+import dataset  # noqa: E402
 import model  # noqa: E402
-import strategy  # noqa: E402
 import train  # noqa: E402
+from ddp_utils import contract, strategy  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
 LAST_RANK = int(os.environ.get("WORLD_SIZE", 1)) - 1
@@ -379,19 +379,35 @@ def children_after_close():
 
 def float64():
     """Compute in float64: the model (built under float64 as torch's default dtype) and every
-    floating-point tensor of each batch. Comparisons of runs then check the distributed
-    arithmetic itself, for any model: in float32, an optimizer such as AdamW turns rounding
-    noise in near-zero gradients (an attention key bias, a BatchNorm bias) into whole steps
-    that depend on the order of the sums."""
+    floating-point tensor of each item of the task's datasets. Comparisons of runs then check
+    the distributed arithmetic itself, for any model: in float32, an optimizer such as AdamW
+    turns rounding noise in near-zero gradients (an attention key bias, a BatchNorm bias) into
+    whole steps that depend on the order of the sums."""
     torch.set_default_dtype(torch.float64)
-    original = train.to_device
+    build_datasets = dataset.build_datasets
+    dataset.build_datasets = lambda cfg: tuple(InFloat64(d) for d in build_datasets(cfg))
 
-    def to_device(batch, device):
+
+class InFloat64(torch.utils.data.Dataset):
+    """A dataset's items with their floating-point tensors in float64; anything else the
+    dataset offers (set_epoch) passes through."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        item = self.data[index]
         return torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, original(batch, device)
+            torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, item
         )
 
-    train.to_device = to_device
+    def __getattr__(self, name):
+        if name == "data":  # not set yet (unpickling in a DataLoader worker)
+            raise AttributeError(name)
+        return getattr(self.data, name)
 
 
 PROBES = {

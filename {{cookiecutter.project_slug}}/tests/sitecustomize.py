@@ -7,7 +7,7 @@ Python imports `sitecustomize` at start-up from any folder on PYTHONPATH, so a t
 
 and each worker (torchrun sets LOCAL_RANK; torchrun itself has none) installs the probe before
 train.py runs. Probes used this way patch torch or the task's functions, not train.py's classes: train.py runs as
-__main__, not as the `train` module the probe imports (model.py and contract.py are shared).
+__main__, not as the `train` module the probe imports (model.py and ddp_utils/contract.py are shared).
 """
 
 import os

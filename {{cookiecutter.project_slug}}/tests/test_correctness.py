@@ -15,9 +15,9 @@ import torch
 from conftest import TINY_CONFIG, load_final_model, probe_output, read_metrics, relative_difference, run_training
 from torch.utils.data import Dataset, get_worker_info
 
-import loaders
 from config import Config
-from contract import load_task
+from ddp_utils.contract import load_task
+from ddp_utils.data import build_loaders, start_epoch
 
 pytestmark = pytest.mark.fixed_amp  # exact comparisons need --amp none; set per run below
 
@@ -138,8 +138,8 @@ class RandomDraws(Dataset):
 def draws(rank, epoch, seed=0):
     cfg = Config(seed=seed, num_workers=2, batch_size=4)
     ctx = SimpleNamespace(rank=rank, world_size=2, device=torch.device("cpu"))
-    loader, _ = loaders.build_loaders(cfg, ctx, RandomDraws(), RandomDraws())
-    loaders.start_epoch(loader, epoch, rank, seed)
+    loader, _ = build_loaders(cfg, ctx, RandomDraws(), RandomDraws())
+    start_epoch(loader, epoch, rank, seed)
     return torch.cat(list(loader))
 
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 
 from config import Config
-from loaders import ShardedSampler, build_loaders
+from ddp_utils.data import ShardedSampler, build_loaders
 
 
 def global_batches(num_samples, global_batch, world_size, epoch=0, seed=0):

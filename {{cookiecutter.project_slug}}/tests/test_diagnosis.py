@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import PROJECT, TINY, run_training, training_env
 
-import ddp_utils
 import preflight
 from config import Config
+from ddp_utils import comm_model, dist, faults
 
 
 @pytest.mark.fixed_amp
@@ -51,25 +51,25 @@ def test_collective_timeouts_are_told_apart_from_other_timeouts():
         "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"
     )
     nccl = RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)")
-    assert ddp_utils.is_collective_timeout(gloo) and ddp_utils.is_collective_timeout(nccl)
+    assert faults.is_collective_timeout(gloo) and faults.is_collective_timeout(nccl)
     for other in (
         RuntimeError("DataLoader timed out after 30 seconds"),
         TimeoutError("timed out"),
         OSError("[Errno 110] Connection timed out: '/mnt/nfs/data'"),
     ):
-        assert not ddp_utils.is_collective_timeout(other)
+        assert not faults.is_collective_timeout(other)
 
 
 def test_each_process_trains_on_the_gpu_it_was_given(monkeypatch):
     """LOCAL_RANK picks among the GPUs a process sees; when a scheduler shows each process only
     its own GPU (srun --gpus-per-task=1), that one is cuda:0 whatever LOCAL_RANK is."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert ddp_utils.pick_device(3) == torch.device("cuda", 0)
+    assert dist.pick_device(3) == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert ddp_utils.pick_device(3) == torch.device("cuda", 3)
+    assert dist.pick_device(3) == torch.device("cuda", 3)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(RuntimeError, match="LOCAL_RANK 3 but this process sees 2 GPUs"):
-        ddp_utils.pick_device(3)
+        dist.pick_device(3)
 
 
 # --- a GPU job never trains on the CPU by accident --------------------------------------------
@@ -94,7 +94,7 @@ def test_gpus_asked_for_but_cuda_unusable_stops_with_one_line(tmp_path, env, arg
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and f"GPUs were asked for ({asked}) but CUDA is unavailable" in line
-    assert ddp_utils.cuda_unavailable_reason() in line and "--device cpu" in line
+    assert dist.cuda_unavailable_reason() in line and "--device cpu" in line
     assert not (tmp_path / "run").exists()
 
 
@@ -105,28 +105,26 @@ def test_device_cpu_trains_on_the_cpu_where_gpus_are_visible(tmp_path):
 
 def test_what_counts_as_gpus_asked_for():
     for empty in ("", "-1", "NoDevFiles", "void", "none"):  # values that hide every GPU
-        assert ddp_utils.gpus_requested({"CUDA_VISIBLE_DEVICES": empty, "NVIDIA_VISIBLE_DEVICES": empty}) is None
-    assert ddp_utils.gpus_requested({"SLURM_GPUS_ON_NODE": "0"}) is None
-    assert ddp_utils.gpus_requested({"SLURM_GPUS_ON_NODE": "4"}) == "SLURM_GPUS_ON_NODE=4"
-    assert ddp_utils.gpus_requested({"CUDA_VISIBLE_DEVICES": "GPU-5d1c"}) == "CUDA_VISIBLE_DEVICES=GPU-5d1c"
-    assert ddp_utils.gpus_requested({}) is None
+        assert dist.gpus_requested({"CUDA_VISIBLE_DEVICES": empty, "NVIDIA_VISIBLE_DEVICES": empty}) is None
+    assert dist.gpus_requested({"SLURM_GPUS_ON_NODE": "0"}) is None
+    assert dist.gpus_requested({"SLURM_GPUS_ON_NODE": "4"}) == "SLURM_GPUS_ON_NODE=4"
+    assert dist.gpus_requested({"CUDA_VISIBLE_DEVICES": "GPU-5d1c"}) == "CUDA_VISIBLE_DEVICES=GPU-5d1c"
+    assert dist.gpus_requested({}) is None
     # NVIDIA's CUDA images set NVIDIA_VISIBLE_DEVICES=all themselves: GPUs only where the driver is.
-    assert ddp_utils.gpus_requested({"NVIDIA_VISIBLE_DEVICES": "all"}, nvidia_devices=False) is None
-    assert (
-        ddp_utils.gpus_requested({"NVIDIA_VISIBLE_DEVICES": "all"}, nvidia_devices=True) == "NVIDIA_VISIBLE_DEVICES=all"
-    )
+    assert dist.gpus_requested({"NVIDIA_VISIBLE_DEVICES": "all"}, nvidia_devices=False) is None
+    assert dist.gpus_requested({"NVIDIA_VISIBLE_DEVICES": "all"}, nvidia_devices=True) == "NVIDIA_VISIBLE_DEVICES=all"
 
 
 def test_why_cuda_is_unusable_names_the_versions(monkeypatch):
     """A wheel built for a newer CUDA than the driver supports, and a node without a driver."""
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.setattr(ddp_utils, "cuda_driver_version", lambda: (12, 2))
-    reason = ddp_utils.cuda_unavailable_reason()
+    monkeypatch.setattr(dist, "cuda_driver_version", lambda: (12, 2))
+    reason = dist.cuda_unavailable_reason()
     assert "built for CUDA 12.8, but the NVIDIA driver supports CUDA up to 12.2" in reason
-    monkeypatch.setattr(ddp_utils, "cuda_driver_version", lambda: None)
-    assert "no NVIDIA driver is loaded" in ddp_utils.cuda_unavailable_reason()
+    monkeypatch.setattr(dist, "cuda_driver_version", lambda: None)
+    assert "no NVIDIA driver is loaded" in dist.cuda_unavailable_reason()
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert "CPU-only build" in ddp_utils.cuda_unavailable_reason()
+    assert "CPU-only build" in dist.cuda_unavailable_reason()
 
 
 def test_preflight_reports_gpus_asked_for_without_cuda():
@@ -144,9 +142,9 @@ def test_tf32_is_set_through_torchs_fp32_precision_api_only():
     project uses the legacy allow_tf32 flags, which torch refuses to read beside the new API.
     (A fresh process: the settings are global.)"""
     check = (
-        "import torch, ddp_utils\n"
+        "import torch\nfrom ddp_utils.dist import set_tf32\n"
         "for enabled, precision in ((True, 'tf32'), (False, 'ieee')):\n"
-        "    ddp_utils.set_tf32(enabled)\n"
+        "    set_tf32(enabled)\n"
         "    assert torch.backends.cuda.matmul.fp32_precision == precision\n"
         "    assert torch.backends.cudnn.conv.fp32_precision == precision\n"
     )
@@ -157,7 +155,7 @@ def test_tf32_is_set_through_torchs_fp32_precision_api_only():
 
 
 def test_slurm_job_ports_stay_below_the_ephemeral_range():
-    ports = [ddp_utils.job_port(job_id) for job_id in range(0, 200_000, 7)]
+    ports = [dist.job_port(job_id) for job_id in range(0, 200_000, 7)]
     assert min(ports) >= 20000 and max(ports) < 32768
     sbatch = PROJECT / "scripts" / "slurm.sbatch"
     if sbatch.exists():  # slurm=yes: the same formula
@@ -175,21 +173,21 @@ def test_preflight_on_one_machine_prints_table_and_verdict():
 
 
 def test_bus_bandwidth_follows_nccl_tests():
-    assert preflight.bus_bandwidth(10.0, 2) == 10.0
-    assert preflight.bus_bandwidth(10.0, 8) == pytest.approx(17.5)
+    assert comm_model.bus_bandwidth(10.0, 2) == 10.0
+    assert comm_model.bus_bandwidth(10.0, 8) == pytest.approx(17.5)
 
 
 def test_allreduce_estimate_scales_the_nearest_measured_size():
     rows = [(1, 0.001, 1.0, 1.0), (16, 0.010, 1.6, 1.6), (256, 0.100, 2.6, 2.6)]
-    assert preflight.allreduce_seconds(16 * 2**20, rows) == pytest.approx(0.010)
-    assert preflight.allreduce_seconds(32 * 2**20, rows) == pytest.approx(0.020)
-    assert preflight.allreduce_seconds(2**19, rows) == pytest.approx(0.0005)
+    assert comm_model.allreduce_seconds(16 * 2**20, rows) == pytest.approx(0.010)
+    assert comm_model.allreduce_seconds(32 * 2**20, rows) == pytest.approx(0.020)
+    assert comm_model.allreduce_seconds(2**19, rows) == pytest.approx(0.0005)
 
 
 def test_verdict_warns_when_communication_dominates():
-    assert "compute-bound" in preflight.verdict(0.001, 0.010, 16)
-    assert "SLOWER than one" in preflight.verdict(0.030, 0.010, 16)
-    assert "single process" in preflight.verdict(0.0, 0.010, 1)
+    assert "compute-bound" in comm_model.verdict(0.001, 0.010, 16)
+    assert "SLOWER than one" in comm_model.verdict(0.030, 0.010, 16)
+    assert "single process" in comm_model.verdict(0.0, 0.010, 1)
 
 
 def test_what_crosses_the_inter_node_link_under_each_strategy():
@@ -199,13 +197,13 @@ def test_what_crosses_the_inter_node_link_under_each_strategy():
     (7/8 x 8 MB); hsdp keeps those inside the node and all-reduces gradient shards between the
     2 replicas (2 x 1/2 x 4 MB)."""
     parameters = [torch.zeros(1000, 1000)]
-    sent = {hook: preflight.gradient_bytes(parameters, hook) for hook in preflight.COMM_HOOKS}
+    sent = {hook: comm_model.gradient_bytes(parameters, hook) for hook in comm_model.COMM_HOOKS}
     cfg = Config(amp="bf16")
-    crossing = preflight.internode_bytes(parameters, cfg, world_size=8, nodes=2, sent=sent)
+    crossing = comm_model.internode_bytes(parameters, cfg, world_size=8, nodes=2, sent=sent)
     assert crossing == {"ddp": 7_000_000, "fsdp": 7_000_000, "hsdp": 4_000_000}
-    on_gloo = preflight.internode_bytes(parameters, cfg, world_size=8, nodes=2, sent=sent, backend="gloo")
+    on_gloo = comm_model.internode_bytes(parameters, cfg, world_size=8, nodes=2, sent=sent, backend="gloo")
     assert on_gloo["fsdp"] == 10_500_000  # its reduce-scatter is a whole all-reduce
-    one_node = preflight.internode_bytes(parameters, cfg, world_size=8, nodes=1, sent=sent)
+    one_node = comm_model.internode_bytes(parameters, cfg, world_size=8, nodes=1, sent=sent)
     assert one_node == {"ddp": 0, "fsdp": 0, "hsdp": 0}
 
 

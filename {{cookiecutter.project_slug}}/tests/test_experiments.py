@@ -21,7 +21,7 @@ from conftest import (
 )
 
 from config import Config, parse_config
-from metrics import Reporter
+from ddp_utils.metrics import Reporter
 
 pytestmark = pytest.mark.fixed_amp
 

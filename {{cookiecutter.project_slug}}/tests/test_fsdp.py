@@ -29,10 +29,11 @@ from conftest import (
 import export
 import model
 from config import Config, parse_config
-from contract import load_task, model_inputs
-from ddp_utils import DistContext, check_sharded_checkpoint
-from knobs import ConfigError
-from strategy import build_module, hsdp_replicas
+from ddp_utils.checkpoint_files import check_sharded_checkpoint
+from ddp_utils.contract import load_task, model_inputs
+from ddp_utils.dist import DistContext
+from ddp_utils.knobs import ConfigError
+from ddp_utils.strategy import build_module, hsdp_replicas
 
 pytestmark = pytest.mark.fixed_amp  # comparisons need --amp none
 

@@ -16,8 +16,8 @@ import task
 import torch
 from conftest import PROJECT, TINY, probe_output, read_metrics, run_training, training_env
 
-import metrics
 from config import Config
+from ddp_utils import metrics
 from model import build_model
 
 pytestmark = pytest.mark.fixed_amp

@@ -26,7 +26,7 @@ from conftest import (
     wait_for,
 )
 
-import ddp_utils
+from ddp_utils import dist as process_group
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
@@ -153,12 +153,12 @@ def test_each_restart_and_group_size_gets_its_own_store_keys(monkeypatch):
     environment |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    ctx = ddp_utils.setup_distributed(timeout_seconds=30)
+    ctx = process_group.setup_distributed(timeout_seconds=30)
     store = captured["store"]
     assert isinstance(store, dist.PrefixStore) and ctx.store is store
     store.set("key", "value")
     assert store.underlying_store.get("restart_3_world_1/key") == b"value"
-    assert ddp_utils.group_prefix({"TORCHELASTIC_RESTART_COUNT": "3"}, 2) != "restart_3_world_1"
+    assert process_group.group_prefix({"TORCHELASTIC_RESTART_COUNT": "3"}, 2) != "restart_3_world_1"
 
 
 def free_port():

@@ -10,8 +10,8 @@ import torch
 from conftest import LR, PROJECT, config_flags, flag_text, load_final_model, read_metrics, run_training
 
 from config import Config
+from ddp_utils.checkpoint import same_optimizer_implementation
 from model import build_model
-from strategy import same_optimizer_implementation
 
 REQUIRED_METRICS = {"epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_samples", "samples_per_s"}
 

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from knobs import ConfigError, knob
-from loaders import mix_seed
+from ddp_utils.data import mix_seed
+from ddp_utils.knobs import ConfigError, knob
 
 DEFAULT_DATA_DIR = "data/text"
 

@@ -2,7 +2,7 @@
 
 Pre-LayerNorm blocks of causal self-attention and a GELU MLP, learned position embeddings,
 and an output layer that shares its weights with the token embedding. What train.py reads from
-this file: contract.py's docstring. The knobs are the ModelConfig fields below, each a --flag.
+this file: ddp_utils/contract.py's docstring. The knobs are the ModelConfig fields below, each a --flag.
 """
 
 import json
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from knobs import ConfigError, knob
+from ddp_utils.knobs import ConfigError, knob
 
 # A checkpoint to resume must match these (the other fields may change between runs).
 SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
@@ -128,7 +128,7 @@ class GPT(nn.Module):
     def init_weights(self, name, module):
         """GPT-2's initialisation of one module's own parameters (LayerNorm keeps PyTorch's); each
         residual projection is scaled by 1/sqrt(2 x n_layer) so the residual stream's variance
-        does not grow with depth (two branches add to it per block). strategy.py calls it module
+        does not grow with depth (two branches add to it per block). ddp_utils/strategy.py calls it module
         by module, from generators seeded by name, so a meta-device start gives the same weights."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj") else 0.02

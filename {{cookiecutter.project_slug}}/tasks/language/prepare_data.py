@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knobs import OneLineParser, exit_with_error
+from ddp_utils.knobs import OneLineParser, exit_with_error
 
 # Left out of the default corpus: installed packages, the test suites (huge and repetitive)
 # and IDLE.

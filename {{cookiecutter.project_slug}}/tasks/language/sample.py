@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from knobs import OneLineParser, exit_with_error
+from ddp_utils.knobs import OneLineParser, exit_with_error
 from model import build_model
 
 

@@ -2,7 +2,7 @@
 
 To train on your own data, return your Datasets from `build_datasets` (each item an
 `(input, target)` pair) and add the knobs your data needs to DataConfig. The split across
-ranks, per-rank seeding and exact evaluation (loaders.py) work unchanged for any map-style
+ranks, per-rank seeding and exact evaluation (ddp_utils/data.py) work unchanged for any map-style
 Dataset.
 """
 
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from knobs import ConfigError, knob
-from loaders import mix_seed
+from ddp_utils.data import mix_seed
+from ddp_utils.knobs import ConfigError, knob
 
 
 @dataclass(frozen=True)

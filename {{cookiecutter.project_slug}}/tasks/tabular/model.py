@@ -1,5 +1,5 @@
 """The model, its loss and its validation metrics: this file and dataset.py are the task (what
-train.py reads from them: contract.py's docstring).
+train.py reads from them: ddp_utils/contract.py's docstring).
 
 This task is a classifier, or a regression (MSE, R^2) with --dataset regression: the dtype of
 the targets tells which.
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import nn
 
-from contract import classification_metrics, classification_sums, cross_entropy, targets
-from knobs import ConfigError, knob
+from ddp_utils.contract import classification_metrics, classification_sums, cross_entropy, targets
+from ddp_utils.knobs import ConfigError, knob
 
 # A checkpoint to resume must match these (the other fields may change between runs).
 SHAPE_FIELDS = ("input_dim", "hidden_dim", "num_classes", "dataset")

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 
-from knobs import ConfigError, knob
-from loaders import mix_seed
+from ddp_utils.data import mix_seed
+from ddp_utils.knobs import ConfigError, knob
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 

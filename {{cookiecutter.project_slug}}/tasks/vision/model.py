@@ -1,5 +1,5 @@
 """The model: a small ResNet for image classification. Replace `build_model` to train your own
-(what train.py reads from this file: contract.py's docstring)."""
+(what train.py reads from this file: ddp_utils/contract.py's docstring)."""
 
 from dataclasses import dataclass
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from knobs import ConfigError, knob
+from ddp_utils.knobs import ConfigError, knob
 
 
 @dataclass(frozen=True)

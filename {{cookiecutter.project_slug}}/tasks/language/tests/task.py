@@ -13,7 +13,7 @@ AUGMENT = []
 # The validation loss of a uniform guess: training must end below it.
 CHANCE_LOSS = math.log(256)  # 256 byte values
 
-# The network tests' model (test_network.py): 0.44M parameters, 1.7 MB of fp32 gradients a
+# The network tests' model (tests/cluster/test_network.py): 0.44M parameters, 1.7 MB of fp32 gradients a
 # step, which a 20 Mbit/s link needs ~0.7 s to all-reduce, against ~0.1 s of compute.
 NETWORK_ARGS = ["--block_size", "64", "--n_layer", "2", "--n_head", "4", "--n_embd", "128", "--batch_size", "16"]
 

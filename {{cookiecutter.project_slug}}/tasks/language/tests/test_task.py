@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import DATA, PROJECT, load_final_model, read_metrics, run_training, training_env
 
-import metrics
 from config import Config
-from contract import load_task
 from dataset import TokenWindows
+from ddp_utils import metrics
+from ddp_utils.contract import load_task
 from model import build_model
 
 pytestmark = pytest.mark.fixed_amp

@@ -8,7 +8,7 @@ AUGMENT = ["--input_noise_std", "0.3"]
 # The validation loss of a uniform guess: training must end below it.
 CHANCE_LOSS = math.log(4)  # 4 classes
 
-# The network tests' model (test_network.py): 0.43M parameters, 1.7 MB of fp32 gradients a
+# The network tests' model (tests/cluster/test_network.py): 0.43M parameters, 1.7 MB of fp32 gradients a
 # step, which a 20 Mbit/s link needs ~0.7 s to all-reduce; a batch large enough for the
 # compute (not the loop's own overhead) to set the step time at full link speed.
 NETWORK_ARGS = ["--hidden_dim", "640", "--batch_size", "1024", "--train_samples", "32768"]

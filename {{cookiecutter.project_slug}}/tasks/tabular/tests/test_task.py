@@ -6,11 +6,11 @@ import torch
 from conftest import read_metrics, run_training
 
 import dataset
-import metrics
 from config import Config
-from contract import load_task
 from dataset import SyntheticClassification, build_datasets
-from loaders import build_loaders, start_epoch
+from ddp_utils import metrics
+from ddp_utils.contract import load_task
+from ddp_utils.data import build_loaders, start_epoch
 
 
 def test_dataset_is_deterministic_from_seed():

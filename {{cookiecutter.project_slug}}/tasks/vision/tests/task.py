@@ -10,7 +10,7 @@ AUGMENT = ["--hflip", "true"]
 # The validation loss of a uniform guess: training must end below it.
 CHANCE_LOSS = math.log(10)  # 10 digits
 
-# The network tests' model (test_network.py): a ResNet of 0.7M parameters, 2.8 MB of fp32
+# The network tests' model (tests/cluster/test_network.py): a ResNet of 0.7M parameters, 2.8 MB of fp32
 # gradients a step, which a 20 Mbit/s link needs over 1 s to all-reduce. Without sync batch
 # norm: its statistics' all-reduces run in forward, so the preflight counts them as compute,
 # and on one host (a group of one) they do not happen at all.

@@ -10,8 +10,8 @@ from conftest import DATA, PROJECT, load_final_model, read_metrics, run_training
 
 from config import Config
 from dataset import build_datasets
+from ddp_utils.strategy import buffers_may_differ
 from model import SyncBatchNorm2d, build_model
-from strategy import buffers_may_differ
 
 pytestmark = pytest.mark.fixed_amp
 

@@ -27,17 +27,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from contract import build_on_meta
-from ddp_utils import (
-    CheckpointError,
-    load_sharded_checkpoint,
-    save_checkpoint,
-    save_sharded_checkpoint,
-    sharded_param_groups,
-    warn_main,
-)
-from knobs import ConfigError
-from loaders import mix_seed
+from .checkpoint_files import read_sharded_state, regroup_optimizer_state, save_checkpoint, save_sharded_checkpoint
+from .contract import build_on_meta
+from .data import mix_seed
+from .faults import CheckpointError, TrainingError
+from .knobs import ConfigError
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 # DDP's setting for sending rank 0's buffers before each forward: torch 2.13 renamed it (the old
@@ -47,10 +41,15 @@ BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_SETTINGS 
 
 
 def build_strategy(cfg, ctx, build_model):
-    """The model `build_model(cfg)` makes, wrapped for --strategy: the one place the choice is made."""
-    if cfg.strategy == "fsdp":
-        return FSDPStrategy(cfg, ctx, build_model)
-    return DDPStrategy(cfg, ctx, build_model)
+    """The model `build_model(cfg)` makes, wrapped for --strategy: the one place the choice is made.
+    A setting that does not fit (this world size, this model) is the same on every rank: a
+    TrainingError, reported once."""
+    try:
+        if cfg.strategy == "fsdp":
+            return FSDPStrategy(cfg, ctx, build_model)
+        return DDPStrategy(cfg, ctx, build_model)
+    except ConfigError as error:
+        raise TrainingError(str(error)) from None
 
 
 # --- initial weights --------------------------------------------------------------------
@@ -344,25 +343,20 @@ def group_settings(timeout_seconds):
     return backend, options
 
 
-def read_sharded_state(model, optimizer, path, group):
-    """Load a sharded checkpoint (the folder `path`) into `model` and `optimizer` on every rank:
-    each reads what its own parameters hold, whatever world size, mesh or strategy wrote it
-    (DCP reshards; a plain module reads whole tensors). Collective over `group`."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    sharded = {"model": model_state, "optimizer": optimizer_state}
-    ours = optimizer_state["param_groups"]
-    # Saved before build_optimizer's two groups: read it as the one group it has. The state
-    # is keyed by parameter name, so only the groups' settings differ: this run's are kept.
-    one_group = len(ours) > 1 and sharded_param_groups(path) == 1
-    if one_group:
-        optimizer_state["param_groups"] = [{**ours[0], "params": [name for g in ours for name in g["params"]]}]
-    load_sharded_checkpoint(path, sharded, group)
-    if one_group:
-        sharded["optimizer"]["param_groups"] = ours
-        warn_main(ONE_GROUP_NOTE.format(path=path))
-    set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
+@contextlib.contextmanager
+def unused_parameters_named():
+    """DDP notices parameters that got no gradient in the previous step only in the next
+    forward, with a long message: say which knob fixes it, in one line."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "find_unused_parameters" not in str(error):
+            raise
+        raise TrainingError(
+            "some model parameters received no gradient in the last step, so DDP could not finish its all-reduce: "
+            "set --find_unused_parameters true (slower), or run with TORCH_DISTRIBUTED_DEBUG=DETAIL to see which "
+            "parameters"
+        ) from None
 
 
 def buffers_may_differ(module):
@@ -394,40 +388,6 @@ def build_optimizer(model, cfg, device):
         {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, fused=device.type == "cuda")
-
-
-@contextlib.contextmanager
-def same_optimizer_implementation(optimizer):
-    """Keep the optimizer's implementation (fused, foreach) across loading a saved state, which
-    would otherwise bring the saving machine's: a checkpoint from a CPU run resumed on GPUs
-    would run unfused (and under fp16 fail in GradScaler, built for the fused step)."""
-    chosen = [(group["fused"], group["foreach"]) for group in optimizer.param_groups]
-    yield
-    for group, (fused, foreach) in zip(optimizer.param_groups, chosen, strict=True):
-        group["fused"], group["foreach"] = fused, foreach
-
-
-ONE_GROUP_NOTE = (
-    "checkpoint {path} was saved with weight decay on every parameter: resuming with its optimizer state, "
-    "biases and normalisation weights no longer decay"
-)
-
-
-def regroup_optimizer_state(saved, optimizer, parameters, path):
-    """An optimizer state saved before the two parameter groups of build_optimizer (one group of
-    every parameter, in the model's order), as this optimizer's groups hold the same parameters;
-    `parameters`: the model's, in its order. The state (Adam's moments, step) carries over;
-    the groups' settings are this run's. Any other saved state is returned as it is."""
-    if len(saved["param_groups"]) != 1 or len(optimizer.param_groups) == 1:
-        return saved
-    old_index = {id(p): i for i, p in enumerate(parameters)}
-    ours = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(ours) != len(parameters) or len(saved["param_groups"][0]["params"]) != len(parameters):
-        raise CheckpointError(f"checkpoint {path} has an optimizer state for other parameters than this model's")
-    warn_main(ONE_GROUP_NOTE.format(path=path))
-    new_index = {old_index[id(p)]: i for i, p in enumerate(ours)}
-    state = {new_index[i]: value for i, value in saved["state"].items()}
-    return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
 
 
 def register_comm_hook(model, name):

@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
 
@@ -126,3 +127,20 @@ def start_epoch(loader, epoch, rank, seed, start=0):
     if hasattr(loader.dataset, "set_epoch"):
         loader.dataset.set_epoch(epoch)
     loader.generator.manual_seed(mix_seed(seed, rank, epoch))
+
+
+def validation_batches(loader, sharded, device):
+    """This rank's validation batches, each with whether it counts. Under FSDP every forward
+    all-gathers parameters, so every rank runs as many as the rank with the most (ranks may
+    hold one sample more than others): the ones short of it repeat their last batch,
+    counted nowhere. Every rank runs at least one: the sums' names come from it."""
+    batches = torch.tensor([max(1, len(loader))], device=device)
+    if sharded:
+        dist.all_reduce(batches, op=dist.ReduceOp.MAX)
+    batch = None
+    for batch in loader:
+        yield batch, True
+    if batch is None:  # no validation sample at all on this rank: any input will do
+        batch = loader.collate_fn([loader.dataset[0]])
+    for _ in range(batches.item() - len(loader)):
+        yield batch, False

@@ -3,7 +3,7 @@
 No image is built and no cluster is used here. The manifests are parsed and checked for what
 a multi-node job needs (the TrainJob in Kubeflow Trainer v2.3's structure, the JobSet's
 preemption policy, RDMA's IPC_LOCK); then the container's command, as the manifests give it,
-runs on two hosts (network namespaces, tests/netns.py) under exactly the environment each
+runs on two hosts (network namespaces, tests/cluster/netns.py) under exactly the environment each
 controller injects, and must train bit for bit like one node with two processes:
 - Kubeflow Trainer v2: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and
   PET_MASTER_PORT, the master being node 0's pod name (<trainjob>-node-0-0.<trainjob>);

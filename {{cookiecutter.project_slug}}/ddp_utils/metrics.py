@@ -1,4 +1,5 @@
-"""What a run reports, on global rank 0 only: metrics.jsonl, the trackers, a progress bar, MFU.
+"""What a run reports, on global rank 0 only: metrics.jsonl, the trackers, a progress bar, MFU,
+the step timing of each metrics line (`Period`) and the loss lines in between (`LossLog`).
 
 Nothing here calls a collective: the Trainer reduces the numbers first, then hands them over.
 """
@@ -7,14 +8,17 @@ import json
 import logging
 import resource
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from contract import build_on_meta, model_inputs
-from ddp_utils import rank_zero_only
-from trackers import open_trackers
+from .contract import build_on_meta, model_inputs
+from .dist import HostCopy
+from .logs import rank_zero_only, report
+from .trackers import open_trackers
 
 log = logging.getLogger("train")
 
@@ -80,6 +84,38 @@ def mfu(flops_per_sample, samples_per_s, world_size, peak_tflops):
     return flops_per_sample * samples_per_s / world_size / (peak_tflops * 1e12)
 
 
+@dataclass(frozen=True)
+class Throughput:
+    """What turns samples/s into tokens/s and MFU for this model, precision and device."""
+
+    flops_per_sample: float  # training FLOPs (flops_per_sample); 0 when not counted
+    tokens_per_sample: int  # predictions per sample (model.py's tokens_per_sample)
+    peak_tflops: float  # of one device; 0 when unknown
+    world_size: int
+
+    def metrics(self, samples_per_s):
+        """tokens_per_s for sequences, mfu where the device's peak is known."""
+        metrics = {}
+        if self.tokens_per_sample > 1:  # sequences: each sample holds many predictions
+            metrics["tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        utilisation = mfu(self.flops_per_sample, samples_per_s, self.world_size, self.peak_tflops)
+        if utilisation is not None:
+            metrics["mfu"] = utilisation
+        return metrics
+
+
+def build_throughput(cfg, ctx, task, one_sample):
+    """The run's Throughput: FLOPs counted on a batch of `one_sample` (meta device), the GPU's
+    peak from its name (or --peak_tflops)."""
+    device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
+    return Throughput(
+        flops_per_sample=flops_per_sample(cfg, task, one_sample),
+        tokens_per_sample=task.tokens_per_sample(cfg),
+        peak_tflops=peak_tflops(device_name, cfg.amp, cfg.tf32, cfg.peak_tflops),
+        world_size=ctx.world_size,
+    )
+
+
 def peak_memory_mb(device):
     """Peak memory of this process since the last reset_peak_memory: allocated on the GPU, or
     resident (RSS high-water mark) on the CPU."""
@@ -106,6 +142,77 @@ def reset_peak_memory(device):
 def format_metrics(metrics):
     parts = [f"{key} {value:.5g}" if isinstance(value, float) else f"{key} {value}" for key, value in metrics.items()]
     return " ".join(parts)
+
+
+@dataclass
+class Period:
+    """Timing of the training since the last metrics line, which reports it."""
+
+    started: float  # perf_counter()
+    cpu_started: float  # process_time()
+    samples_at_start: int
+    data_wait_s: float = 0.0  # waiting for batches
+    checkpoint_s: float = 0.0  # saving checkpoints (left out of throughput)
+    window: tuple = None  # (time, samples trained, checkpoint_s) at the end of the period's first step
+
+    def open_window(self, samples):
+        # Throughput counts from the end of the period's first step: compile warm-up, worker
+        # start-up and the first batches' latency stay out.
+        if self.window is None:
+            self.window = (time.perf_counter(), samples, self.checkpoint_s)
+
+    def samples_per_s(self, samples, now):
+        opened, samples_then, checkpoint_then = self.window or (self.started, self.samples_at_start, 0.0)
+        if samples == samples_then:  # a single step: no window, the whole period
+            opened, samples_then, checkpoint_then = self.started, self.samples_at_start, 0.0
+        seconds = now - opened - (self.checkpoint_s - checkpoint_then)
+        return (samples - samples_then) / seconds if seconds > 0 else 0.0
+
+    def metrics(self, samples, device):
+        """The period's timing and memory, for the metrics line, as it ends (before evaluation)."""
+        ended, cpu_seconds = time.perf_counter(), time.process_time() - self.cpu_started
+        train_seconds = ended - self.started - self.checkpoint_s
+        return {
+            "samples_per_s": self.samples_per_s(samples, ended),  # steady state: no first step, no checkpoints
+            "data_wait_s": self.data_wait_s,  # rank 0's time waiting for batches
+            "compute_s": train_seconds - self.data_wait_s,  # the rest of the training time
+            "cpu_s": cpu_seconds,  # rank 0's CPU time while training: host overhead shows here
+            "peak_memory_mb": peak_memory_mb(device),  # rank 0's, since the last line
+        }
+
+
+class LossLog:
+    """Every --log_every_steps optimizer steps, a line with the step's loss, learning rate and
+    gradient norm: copied off the device when the step ends, printed a step later, when the
+    copy is done, so the host never waits for the device."""
+
+    def __init__(self, every, reporter):
+        self.every, self.reporter = every, reporter
+        self.pending = None  # (step, HostCopy of loss and gradient norm, lr, loss scale, samples/s)
+
+    def due(self, step):
+        return self.every and step % self.every == 0
+
+    def record(self, step, loss, norm, scale, lr, samples_per_s):
+        """After optimizer step `step`: print the previous due line, keep this one if due."""
+        self.reporter.step()
+        self.flush()
+        if self.due(step):
+            self.pending = (step, HostCopy(torch.stack([loss.float(), norm.float()])), lr, scale, samples_per_s)
+
+    def flush(self):
+        """Print the line kept back, if any."""
+        if self.pending is None:
+            return
+        step, copy, lr, scale, samples_per_s = self.pending
+        loss_value, norm = copy.tolist()
+        values = {"train_loss_step": loss_value, "lr": lr, "grad_norm": norm}
+        if scale is not None:  # fp16: the loss scale that step used
+            values["loss_scale"] = scale
+        scale_text = "" if scale is None else f" loss_scale {scale:g}"
+        report("step %d loss %.4f lr %.3g grad_norm %.3g%s", step, loss_value, lr, norm, scale_text)
+        self.reporter.train_loss(step, values, samples_per_s)
+        self.pending = None
 
 
 class Reporter:

@@ -1,5 +1,5 @@
 """Run scripts/launch.sh as several nodes: on this machine, or one per network-namespace host
-(tests/netns.py). Shared by the multi-node, network and Kubernetes tests."""
+(tests/cluster/netns.py). Shared by the multi-node, network and Kubernetes tests."""
 
 import json
 import os

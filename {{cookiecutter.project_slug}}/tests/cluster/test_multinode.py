@@ -2,7 +2,7 @@
 
 Two launches with NNODES=2 x NPROC_PER_NODE=1 end with parameters bit-identical to one torchrun
 with 2 processes: on this machine over loopback, and on two "hosts" (network namespaces joined
-by a veth pair, tests/netns.py) with the static and the elastic (c10d) rendezvous.
+by a veth pair, tests/cluster/netns.py) with the static and the elastic (c10d) rendezvous.
 """
 
 import os
@@ -19,8 +19,8 @@ import torch
 from conftest import LR, PROJECT, TINY, read_metrics
 from nodes import LAUNCH, PORT, TIMEOUT, assert_same_as, describe, launch_env, run_nodes, start_here, start_on
 
-import train
 from config import Config
+from ddp_utils.schedule import Plan, lr_at
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
@@ -135,10 +135,10 @@ def assert_epochs_once_and_lr_on_course(output_dir):
     nearest whole global batch may repeat or skip), the last one at the floor."""
     metrics = read_metrics(output_dir)
     assert [m["epoch"] for m in metrics] == [1, 2, 3]
-    cfg, plan = Config(lr=LR), train.Plan(total_samples=3 * 1024, warmup_samples=0)
+    cfg, plan = Config(lr=LR), Plan(total_samples=3 * 1024, warmup_samples=0)
     for line in metrics:
         samples = 1024 * line["epoch"]
-        nearby = [train.lr_at(samples + delta, cfg, plan) for delta in range(-64, 65, 32) if samples + delta <= 3072]
+        nearby = [lr_at(samples + delta, cfg, plan) for delta in range(-64, 65, 32) if samples + delta <= 3072]
         assert min(nearby) - 1e-12 <= line["lr"] <= max(nearby) + 1e-12, (line, nearby)
     assert metrics[-1]["lr"] == pytest.approx(LR * 0.1)
 

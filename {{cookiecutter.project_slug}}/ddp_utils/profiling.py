@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ddp_utils import rank_zero_only
+from .logs import rank_zero_only
 
 
 class StepProfiler:

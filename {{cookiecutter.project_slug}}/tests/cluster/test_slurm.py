@@ -1,6 +1,6 @@
 """SLURM for real: scripts/slurm.sbatch and `srun python train.py` on a cluster of this machine.
 
-tests/slurm_cluster.py starts munge, slurmctld and two slurmd (no systemd) for the session;
+tests/cluster/slurm_cluster.py starts munge, slurmctld and two slurmd (no systemd) for the session;
 without root or Debian's packages (apt-get install slurmd slurmctld slurm-client munge) these
 tests skip. The nodes have no GPUs: jobs are submitted with --gpus-per-node=0 and
 NPROC_PER_NODE, which override the script's #SBATCH lines, as a user would on CPU nodes.
@@ -20,7 +20,7 @@ import torch
 from conftest import PROJECT, TINY, load_final_model, read_metrics
 from slurm_cluster import FINISHED, slurm_fixture  # noqa: F401 (slurm_fixture: the `slurm` fixture)
 
-import ddp_utils
+from ddp_utils import dist
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
@@ -89,7 +89,7 @@ def batch_job(slurm, tmp_path_factory):
 
 def test_batch_script_trains_with_torchrun_on_one_node(slurm, batch_job):
     assert_succeeded(batch_job, slurm)
-    port = ddp_utils.job_port(batch_job.job_id)  # below the ephemeral range, as srun-style jobs
+    port = dist.job_port(batch_job.job_id)  # below the ephemeral range, as srun-style jobs
     started = re.search(
         rf"slurm.sbatch: job {batch_job.job_id} \(restart 0\) on (\S+), 2 process\(es\) per node", batch_job.log
     )

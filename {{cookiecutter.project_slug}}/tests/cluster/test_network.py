@@ -1,6 +1,6 @@
 """The network, measured: the preflight's prediction against real step times over a limited link.
 
-On two hosts (network namespaces, tests/netns.py) whose link is unlimited or limited to
+On two hosts (network namespaces, tests/cluster/netns.py) whose link is unlimited or limited to
 20 Mbit/s, each test trains this task's NETWORK model (gradients large enough for a slow link
 to matter) on 1 host x 1 process and on 2 hosts x 1 process, runs the preflight across the
 same two hosts, and checks what it predicted: the 2-host step time within 30% of the measured

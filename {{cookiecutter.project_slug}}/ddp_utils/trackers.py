@@ -17,7 +17,7 @@ import logging
 import time
 from pathlib import Path
 
-from ddp_utils import write_atomically
+from .checkpoint_files import write_atomically
 
 log = logging.getLogger("train")
 

@@ -1,0 +1,29 @@
+"""The machinery of training: what train.py orchestrates and a user does not need to edit.
+
+The files a user edits are at the top of the project (config.py, model.py, dataset.py,
+train.py and the scripts); this package never imports them, except model.py and dataset.py
+through contract.py (the task contract). Each module has one job, on one floor; a module
+imports only from the floors below it:
+
+    contract.py      what the loop reads from model.py and dataset.py, and its defaults
+    strategy.py      --strategy ddp or fsdp: building, wrapping and sharding the model, the optimizer
+    checkpoint.py    the Checkpointer: choose, load, save, the resume position, random generators
+    checkpoint_files.py  the checkpoint formats on disk: atomic single files, DCP folders
+    evaluation.py    the Validator: the task's metrics over the whole validation set
+    metrics.py       metrics.jsonl, the trackers, the progress bar, step timing, MFU
+    trackers.py      TensorBoard, W&B, MLflow (--tracker)
+    profiling.py     --profile_steps
+    comm_model.py    what gradients cost to send: the preflight's prediction of a job's step
+    data.py          which rank sees which samples, loaders, seeding
+    schedule.py      the learning rate as a pure function of samples trained
+    dist.py          the process group, devices, collectives and store waits
+    faults.py        error types, stop signals, the watchdog, step agreements, the exit path
+    logs.py          rank-aware logging (`rank_zero_only`)
+    knobs.py         how a config field is declared, and the one-line error for a bad value
+
+Rules the package keeps for the rest of the project:
+- Rank-0-only side effects (files, console) go through `logs.rank_zero_only`; code under it
+  never calls a collective, which would hang the other ranks.
+- Decisions that end or skip work are agreed by all ranks with one collective (dist.Agreement).
+- On an error the root cause is logged first and nothing blocks the exit (faults.ExitPath).
+"""

@@ -1,0 +1,46 @@
+"""Evaluation: the task's metrics (model.py's evaluation_sums and evaluation_metrics, or the
+contract's defaults) over exactly the whole validation set, the same numbers on every rank."""
+
+import torch
+import torch.distributed as dist
+
+from .contract import batch_size, model_inputs, to_device
+from .data import validation_batches
+
+
+class Validator:
+    def __init__(self, cfg, ctx, task, strategy, loader, watchdog, amp_dtype):
+        self.every = cfg.eval_every_steps  # 0: at each epoch's end (the trainer's call)
+        self.device, self.task, self.strategy, self.loader = ctx.device, task, strategy, loader
+        self.watchdog, self.amp_dtype = watchdog, amp_dtype
+
+    def should_validate(self, step):
+        """Whether --eval_every_steps asks for a metrics line after optimizer step `step`."""
+        return bool(self.every) and step % self.every == 0
+
+    @torch.no_grad()
+    def evaluate(self):
+        """Sums over every batch and rank, then divided: not an average of per-rank averages.
+        Every rank calls it (it all-reduces) and gets the same metrics."""
+        model = self.strategy.module  # not DDP's forward: nothing to synchronise in evaluation
+        model.eval()
+        names, totals, samples = None, None, 0
+        for batch, counted in validation_batches(self.loader, self.strategy.sharded, self.device):
+            self.watchdog.beat("evaluation")
+            batch = to_device(batch, self.device)
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                output = model(model_inputs(batch))
+            sums = self.task.evaluation_sums(output, batch)
+            # A batch run only to keep the ranks' all-gathers in step counts nowhere.
+            values = torch.stack([torch.as_tensor(v, device=self.device).double() for v in sums.values()])
+            if totals is None:
+                names, totals = list(sums), torch.zeros_like(values)
+            if counted:
+                totals += values
+                samples += batch_size(batch)
+        totals = torch.cat([totals, torch.tensor([samples], dtype=torch.float64, device=self.device)])
+        dist.all_reduce(totals)  # sums and counts, not an average of per-rank averages
+        model.train()
+        *sums, samples = totals.tolist()
+        metrics = self.task.evaluation_metrics(dict(zip(names, sums)))
+        return {**{name: float(value) for name, value in metrics.items()}, "val_samples": int(samples)}

@@ -1,0 +1,246 @@
+"""Faults: the error types, stop signals, the watchdog, what each step's agreement decides, and
+the exit path.
+
+Rules: a decision that ends or skips work is agreed by every rank (dist.Agreement) before it is
+acted on; an error every rank agrees on is a `TrainingError` or `CheckpointError`, reported
+once without a traceback; anything else means the ranks are out of step: the root cause is
+logged first, on its rank, and the process exits without waiting for a peer (`exit_now`).
+"""
+
+import contextlib
+import faulthandler
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .logs import log, report
+
+
+class TrainingError(RuntimeError):
+    """An error every rank agrees on; reported once, without a traceback."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read, or ranks that waited too long for one."""
+
+
+class Preempted(Exception):
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class ExitNow(Exception):
+    """Ranks are out of step and the root cause is logged: exit without waiting for anyone."""
+
+
+class StopRequest:
+    """Remember a SIGTERM (torchrun, Kubernetes) or SIGUSR1 (SLURM --signal) for the loop.
+
+    The handler only sets a flag: the loop agrees on it with the other ranks at the next
+    step boundary, saves a checkpoint and exits. Doing work inside a signal handler could
+    interrupt a collective halfway.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signum = 0
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    @property
+    def requested(self):
+        return self.signum != 0
+
+
+def write_stop_status(code):
+    """Tell scripts/launch.sh that training stopped on a signal, its checkpoint saved: `code` is
+    the process's exit status (128 + the signal's number), None clears it. torchrun exits 1
+    after a signal whatever its workers did; launch.sh exits with this status instead."""
+    path = os.environ.get("STOP_STATUS_FILE")
+    if path:
+        Path(path).write_text("" if code is None else f"{code}\n")
+
+
+class Watchdog:
+    """Say where this rank is stuck before the collective timeout ends the job.
+
+    The loop calls `beat("train step 12")` as it goes. A daemon thread checks that a beat came
+    within 90% of `timeout_seconds` (the collective timeout); if not, it logs which phase this
+    rank has been stuck in and writes every thread's Python stack to stderr (faulthandler),
+    once per stall. It looks often enough to do so before the timeout: every rank that is
+    stuck reports, so the output shows which ranks were waiting where, the one stuck in its
+    own code and the others waiting for it inside a collective. A stop signal during a stall
+    in Python code (a stuck data read, a sleep) ends the process at once; a rank blocked inside
+    a collective sees the signal only when the collective returns or times out.
+    """
+
+    def __init__(self, timeout_seconds, rank, stop):
+        self.seconds = 0.9 * timeout_seconds
+        self.period = min(1.0, 0.04 * timeout_seconds)  # reports land between 90% and 94%
+        self.rank, self.stop = rank, stop
+        self.phase, self.last_beat, self.reported, self.limit = "start-up", time.monotonic(), False, self.seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, phase, seconds=None):
+        """Progress in `phase`; `seconds` allows a longer stall for this phase (checkpoint I/O)."""
+        self.phase, self.last_beat, self.reported = phase, time.monotonic(), False
+        self.limit = seconds or self.seconds
+
+    def _watch(self):
+        while not self._stop.wait(self.period):
+            stalled = time.monotonic() - self.last_beat
+            if stalled > self.limit and not self.reported:
+                self.reported = True
+                log.error(
+                    "rank %d: no progress for %.0f s in %s; Python stacks of this rank follow on stderr",
+                    self.rank,
+                    stalled,
+                    self.phase,
+                )
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            if self.reported and self.stop.requested:
+                # A stalled loop can never act on the stop request (and save); end now
+                # rather than when the launcher's grace period runs out.
+                log.error("rank %d: stop requested while stalled in %s; exiting", self.rank, self.phase)
+                logging.shutdown()
+                os._exit(1)
+
+    def close(self):
+        self._stop.set()
+
+
+# How a collective that ran past --timeout_seconds fails: gloo raises a RuntimeError from the
+# operation (backward's all-reduce included), NCCL's watchdog reports the stuck work.
+COLLECTIVE_TIMEOUT = re.compile(
+    r"Timed out waiting \d+ms for (send|recv) operation|Watchdog caught collective operation timeout"
+)
+
+
+def is_collective_timeout(error):
+    """Whether `error` is a collective that ran past its timeout: not any error that says
+    "timed out" (a DataLoader's `timeout`, a socket, a file system)."""
+    return isinstance(error, RuntimeError) and COLLECTIVE_TIMEOUT.search(str(error)) is not None
+
+
+def exit_now(code):
+    """Exit at once, the logs flushed, without destroying the process group: after an error a
+    peer may be gone, and waiting for it would hide nothing but could block forever."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class StepChecks:
+    """What every optimizer step agrees on with the other ranks (a stop request, a non-finite
+    loss or gradients, fp16's loss scale) and what the agreement decides: stop, go on, or a
+    `TrainingError` that names the knob to turn."""
+
+    def __init__(self, cfg, fp16):
+        self.cfg, self.fp16 = cfg, fp16
+        self.skipped_in_a_row = 0  # fp16 steps skipped for overflow, in a row
+
+    def flags(self, stop_requested, loss_sum, norm, scale, new_scale):
+        """The step's flags, for dist.Agreement: `norm` the gradients' (None when not
+        measured), `scale` and `new_scale` fp16's loss scale before and after the step."""
+        low_scale = too_many_skips = False
+        if self.fp16:
+            self.skipped_in_a_row = self.skipped_in_a_row + 1 if new_scale < scale else 0
+            low_scale = new_scale < self.cfg.min_loss_scale
+            too_many_skips = 0 < self.cfg.max_skipped_steps <= self.skipped_in_a_row
+        grads_not_finite = ~torch.isfinite(norm) if norm is not None else False
+        return stop_requested, ~torch.isfinite(loss_sum), grads_not_finite, low_scale, too_many_skips
+
+    def decide(self, agreed, step, epoch):
+        """Act on the agreed flags of optimizer step `step` (in 0-based `epoch`): raise for a
+        failure, else return whether all ranks agreed to stop."""
+        stop, loss_not_finite, grads_not_finite, low_scale, too_many_skips = agreed
+        where = f"at optimizer step {step} (epoch {epoch + 1})"
+        fixes = "lower --lr or set --max_grad_norm" + (", or train with --amp bf16" if self.fp16 else "")
+        if loss_not_finite or (grads_not_finite and not self.fp16):  # fp16: an overflow skips the step
+            raise TrainingError(f"loss or gradients are not finite {where}; {fixes}")
+        if low_scale:
+            raise TrainingError(
+                f"the fp16 loss scale fell below --min_loss_scale {self.cfg.min_loss_scale:g} {where}: gradients "
+                f"overflow at any scale; {fixes}"
+            )
+        if too_many_skips:
+            raise TrainingError(
+                f"{self.cfg.max_skipped_steps} optimizer steps in a row skipped for fp16 overflow, up to step "
+                f"{step} (--max_skipped_steps); {fixes}"
+            )
+        return stop
+
+
+class ExitPath:
+    """How a run ends, as an exit code, whatever it raised; `trainer` (set once built) is closed
+    on every path. Around the run in train.py:
+
+        with ExitPath(ctx, cfg.timeout_seconds) as ending:
+            trainer = ending.trainer = Trainer(cfg, ctx)
+            ...
+        return ending.code
+
+    - a TrainingError or CheckpointError (agreed by every rank): reported once, exit 1;
+    - Preempted (an agreed stop, the checkpoint saved): exit 128 + the signal, also written
+      for scripts/launch.sh (write_stop_status);
+    - anything else: the ranks are out of step. The root cause is logged first, on this rank
+      (a collective timeout as one line naming --timeout_seconds), then ExitNow is raised:
+      main exits without destroying the process group, which may block on a peer that is gone.
+    """
+
+    def __init__(self, ctx, timeout_seconds):
+        self.ctx, self.timeout_seconds = ctx, timeout_seconds
+        self.trainer = None  # needs .close(status), .checkpointer.wait(), .step, .watchdog.phase
+        self.code = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        trainer, status = self.trainer, "failed"
+        try:
+            if error is None:
+                status = "finished"
+            elif isinstance(error, (TrainingError, CheckpointError)):
+                report("%s", error, level=logging.ERROR)
+                if trainer is not None:  # every rank is here (the error was agreed): finish a save in flight
+                    with contextlib.suppress(CheckpointError):
+                        trainer.checkpointer.wait()
+                self.code = 1
+            elif isinstance(error, Preempted):
+                status, self.code = "preempted", 128 + error.signum
+                report("stopped by %s at step %d; checkpoint saved, run the same command to resume", error,
+                       trainer.step)  # fmt: skip
+                write_stop_status(self.code)
+            elif isinstance(error, Exception):
+                if is_collective_timeout(error):
+                    log.error(
+                        "rank %d: a collective timed out after --timeout_seconds %d during %s: another rank stalled "
+                        "or died (see the ranks' stacks above)",
+                        self.ctx.rank, self.timeout_seconds, trainer.watchdog.phase if trainer else "start-up",
+                    )  # fmt: skip
+                else:
+                    log.error("rank %d failed", self.ctx.rank, exc_info=error)
+                status = "crashed"  # the trackers are left as they are: closing one may wait on its server
+                raise ExitNow from error
+            else:  # KeyboardInterrupt and the like: on its way out as it is
+                return False
+            return True
+        finally:
+            if trainer is not None:
+                trainer.close(status)
