@@ -29,8 +29,8 @@ except ModuleNotFoundError:  # Python 3.10
 from dataset import DataConfig
 from ddp_utils.checkpoint_files import write_atomically
 from ddp_utils.knobs import ConfigError, OneLineParser, exit_with_error, knob
-from model import ModelConfig
 from ddp_utils.trackers import TRACKERS
+from model import ModelConfig
 
 
 @dataclass(frozen=True)
