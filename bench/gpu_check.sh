@@ -109,20 +109,20 @@ import torch
 sys.path.insert(0, ".")
 import train
 
-run_batch, settle = train.Trainer.train_step, train.Trainer.settle
+train_step, settle = train.Trainer.train_step, train.Trainer.settle
 checked = []
 
-def checked_run_batch(self, *args, **kwargs):
+def checked_train_step(self, *args, **kwargs):
     if self.step >= 3 and self.batches_done >= 3:
         torch.cuda.set_sync_debug_mode("error")
         checked.append(self.step)
-    return run_batch(self, *args, **kwargs)
+    return train_step(self, *args, **kwargs)
 
 def unchecked_settle(self):
     torch.cuda.set_sync_debug_mode(0)  # the epoch's end: evaluation and checkpoints may sync
     return settle(self)
 
-train.Trainer.train_step, train.Trainer.settle = checked_run_batch, unchecked_settle
+train.Trainer.train_step, train.Trainer.settle = checked_train_step, unchecked_settle
 code = train.main(sys.argv[1:])
 print(f"SYNC_CHECKED_STEPS {len(set(checked))}")
 sys.exit(code)

@@ -122,9 +122,9 @@ MUTANTS = [
     Mutant(
         "stop_decided_alone",
         "a rank acts on its own stop request without the others",
-        "ddp_utils/faults.py",
-        '                f"{step} (--max_skipped_steps); {fixes}"\n            )\n        return stop\n',
-        '                f"{step} (--max_skipped_steps); {fixes}"\n            )\n        return self.stop.requested\n',
+        "train.py",
+        "        return self.checks.decide(agreement.result(), step, self.epoch)\n",
+        "        self.checks.decide(agreement.result(), step, self.epoch)\n        return self.stop.requested\n",
         (f"{CORRECTNESS}::test_stop_request_on_one_rank_stops_every_rank_together",),
     ),
     Mutant(
@@ -211,7 +211,7 @@ MUTANTS = [
         "ranks wait for rank 0's write in a collective",
         "ddp_utils/checkpoint_files.py",
         '    error = store_barrier(ctx, f"checkpoint_step_{step}", error, timeout_seconds)\n',
-        "    any_rank(error is not None, device=ctx.device)\n",
+        "    from .dist import any_rank\n\n    any_rank(error is not None, device=ctx.device)\n",
         (f"{PREEMPTION}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
     ),
     Mutant(
@@ -252,9 +252,9 @@ MUTANTS = [
     Mutant(
         "fsdp_evaluation_not_in_step",
         "fsdp: a rank with fewer validation batches stops all-gathering before the others",
-        "ddp_utils/data.py",
+        "ddp_utils/evaluation.py",
         "    if sharded:\n",
-        "        if False:\n",
+        "    if False:\n",
         (f"{FSDP}::test_fsdp_trains_the_same_parameters_as_ddp",),
     ),
     Mutant(

@@ -13,9 +13,7 @@ task (ddp_utils/contract.py says what the loop reads from them).
 """
 
 import math
-import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,23 +24,12 @@ import torch.distributed as dist
 from config import parse_config, write_resolved_config
 from ddp_utils.checkpoint import Checkpointer, resume_position
 from ddp_utils.contract import batch_size, load_task, model_inputs, to_device
-from ddp_utils.data import build_loaders, mix_seed, seed_everything, start_epoch
+from ddp_utils.data import build_datasets, build_loaders, mix_seed, seed_everything, start_epoch
 from ddp_utils.dist import Agreement, DeviceError, agree, cleanup_distributed, set_tf32, setup_distributed
 from ddp_utils.evaluation import Validator
-from ddp_utils.faults import (
-    ExitNow,
-    ExitPath,
-    Preempted,
-    StepChecks,
-    StopRequest,
-    TrainingError,
-    Watchdog,
-    exit_now,
-    write_stop_status,
-)
-from ddp_utils.knobs import ConfigError
+from ddp_utils.faults import ExitPath, Preempted, StepChecks, StopRequest, TrainingError, Watchdog, write_stop_status
 from ddp_utils.logs import rank_zero_only, report, setup_logging, warn_main
-from ddp_utils.metrics import LossLog, Period, Reporter, build_throughput, format_metrics, reset_peak_memory
+from ddp_utils.metrics import Meter, Reporter, build_throughput
 from ddp_utils.profiling import StepProfiler
 from ddp_utils.schedule import Plan, lr_at
 from ddp_utils.strategy import AMP_DTYPES, build_optimizer, build_strategy, model_state_bytes, unused_parameters_named
@@ -52,7 +39,7 @@ from ddp_utils.trackers import missing_package
 class Trainer:
     """One run: the loop, read top to bottom (`train`, `_run_epoch`, `train_step`,
     `optimizer_step`, `evaluate`). The components own their state and cadence: the strategy
-    (ddp or fsdp), the Checkpointer, the Reporter and LossLog, the StepProfiler, the Watchdog."""
+    (ddp or fsdp), the Checkpointer, the Validator, the Meter, the StepProfiler, the Watchdog."""
 
     def __init__(self, cfg, ctx):
         self.cfg, self.ctx = cfg, ctx
@@ -60,7 +47,7 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir)
         # Only rank 0 imports the trackers' packages; a missing one stops every rank at once.
         agree(ctx, "trackers_installed", rank_zero_only(missing_package)(cfg.trackers), cfg.timeout_seconds)
-        self.train_loader, self.val_loader = build_loaders(cfg, ctx, *self._datasets())
+        self.train_loader, self.val_loader = build_loaders(cfg, ctx, *build_datasets(self.task, cfg, ctx))
         self.global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps
         if self.steps_per_epoch == 0:
@@ -108,23 +95,10 @@ class Trainer:
                                          self.task.shape_fields)  # fmt: skip
 
         self.validator = Validator(cfg, ctx, self.task, self.strategy, self.val_loader, self.watchdog, self.amp_dtype)
-        self.reporter = Reporter(ctx, cfg, self.output_dir)
-        self.loss_log = LossLog(cfg.log_every_steps, self.reporter)
-        self.period = Period(time.perf_counter(), time.process_time(), 0)  # restarted by train()
+        one_sample = self.train_loader.collate_fn([self.train_loader.dataset[0]])  # for the FLOP count
+        self.reporter = Reporter(ctx, cfg, self.output_dir)  # rank 0: metrics.jsonl, trackers, progress bar
+        self.meter = Meter(cfg, ctx, self.reporter, build_throughput(cfg, ctx, self.task, one_sample))
         self.profiler = StepProfiler(cfg, ctx.device, self.output_dir, before_toggle=self._finish_collectives)
-        one_sample = self.train_loader.collate_fn([self.train_loader.dataset[0]])
-        self.throughput = build_throughput(cfg, ctx, self.task, one_sample)  # tokens/s and MFU
-
-    def _datasets(self):
-        """The task's datasets. A missing data folder is agreed by all ranks (it may be missing
-        on one node only) and reported once, before anyone waits in a collective."""
-        datasets, problem = None, None
-        try:
-            datasets = self.task.build_datasets(self.cfg)
-        except ConfigError as error:
-            problem = str(error)
-        agree(self.ctx, "datasets", problem, self.cfg.timeout_seconds)
-        return datasets
 
     def write_config(self):
         """output_dir/config.toml, once the run is known to start (or resume): the config of its
@@ -169,7 +143,7 @@ class Trainer:
         }
         # The process exits after a stop: an asynchronous save must be complete.
         self.checkpointer.save(progress, self.loss_totals, stopping=stop or stopping)
-        self.period.checkpoint_s += time.perf_counter() - started
+        self.meter.saved_checkpoint(time.perf_counter() - started)
         return stop
 
     # --- the loop -------------------------------------------------------------------------
@@ -183,22 +157,27 @@ class Trainer:
             f"{cfg.epochs} epochs of {self.steps_per_epoch} steps"
         )  # fmt: skip
         report("training %s, global batch %d, %s", length, self.global_batch, self.strategy.name)
-        self._start_period()
+        self.meter.start_period(self.samples_seen)
         while not self._finished():
             self._run_epoch()  # to the epoch's end, or to max_steps
             if self.settle():  # a stop agreed in the last step
                 self.save_checkpoint(stopping=True)
-                raise Preempted(self.stop.signum or signal.SIGTERM)
+                raise self._preempted()
             if self.batches_done == self.steps_per_epoch * cfg.grad_accum_steps:  # the epoch is complete
                 if not cfg.eval_every_steps:
                     self._evaluate_and_report()
                 self.epoch, self.batches_done = self.epoch + 1, 0
                 if self.save_checkpoint():
-                    raise Preempted(self.stop.signum or signal.SIGTERM)
+                    raise self._preempted()
         if self.last_evaluated != self.step:  # the run ended between evaluations
             self._evaluate_and_report()
             if self.checkpointer.last_saved != self.step:  # not saved at the epoch's end already
                 self.save_checkpoint()
+
+    def _preempted(self):
+        """The exception that ends an agreed stop (its checkpoint saved): the signal this rank
+        got, or SIGTERM on a rank that got none."""
+        return Preempted(self.stop.signum or signal.SIGTERM)
 
     def _finished(self):
         return self.step >= self.cfg.max_steps if self.cfg.max_steps else self.epoch >= self.cfg.epochs
@@ -213,7 +192,7 @@ class Trainer:
         self.reporter.start_epoch(self.epoch + 1, cfg.epochs, self.steps_per_epoch, self.batches_done // accum)
         waiting_since = time.perf_counter()
         for micro_step, batch in enumerate(self.train_loader, start=self.batches_done):
-            self.period.data_wait_s += time.perf_counter() - waiting_since
+            self.meter.waited_for_data(time.perf_counter() - waiting_since)
             self.watchdog.beat(f"training, optimizer step {self.step + 1}")
             self.profiler.at_step(self.step)  # --profile_steps
             last_micro_step = (micro_step + 1) % accum == 0
@@ -225,11 +204,9 @@ class Trainer:
             self.batches_done = micro_step + 1
             if stop:  # agreed by all ranks: save where we are and exit
                 self.save_checkpoint(stopping=True)
-                raise Preempted(self.stop.signum or signal.SIGTERM)
-            self.period.open_window(self.samples_seen)
+                raise self._preempted()
             lr = self.optimizer.param_groups[0]["lr"]
-            samples_per_s = self.period.samples_per_s(self.samples_seen, time.perf_counter())
-            self.loss_log.record(self.step, loss, *self.step_norm_and_scale, lr, samples_per_s)
+            self.meter.step_done(self.step, self.samples_seen, loss, *self.step_norm_and_scale, lr)
             epoch_end = self.batches_done == self.steps_per_epoch * accum
             if self.validator.should_validate(self.step):
                 self._evaluate_and_report()
@@ -237,12 +214,11 @@ class Trainer:
             else:
                 save = not epoch_end and cfg.checkpoint_every_steps and self.step % cfg.checkpoint_every_steps == 0
             if save and self.save_checkpoint():
-                raise Preempted(self.stop.signum or signal.SIGTERM)
+                raise self._preempted()
             if cfg.max_steps and self.step >= cfg.max_steps:
                 break
             waiting_since = time.perf_counter()
-        self.loss_log.flush()  # the last step's line, if it is due
-        self.reporter.end_epoch()
+        self.meter.end_epoch()
 
     def train_step(self, batch, sync):
         """Forward and backward of one micro-batch; returns its loss (detached). Gradients are
@@ -272,7 +248,7 @@ class Trainer:
         """
         cfg, fp16 = self.cfg, self.scaler.is_enabled()
         norm = None
-        if cfg.max_grad_norm > 0 or fp16 or self.loss_log.due(self.step + 1):  # a log step reports the norm
+        if cfg.max_grad_norm > 0 or fp16 or self.meter.log_due(self.step + 1):  # a log step reports the norm
             self.scaler.unscale_(self.optimizer)  # the true gradients: to clip, and to see fp16 overflow
             parameters = [p for p in self.model.parameters() if p.grad is not None]
             # With clipping off, an infinite limit leaves the gradients as they are and still
@@ -316,16 +292,9 @@ class Trainer:
 
     # --- evaluation and the metrics line --------------------------------------------------
 
-    def _start_period(self):
-        """Start measuring what the next metrics line reports: time and memory from now (the
-        loss sums restart after each line, and carry over in a checkpoint)."""
-        reset_peak_memory(self.ctx.device)
-        self.period = Period(time.perf_counter(), time.process_time(), self.samples_seen)
-
     def _evaluate_and_report(self):
         """Evaluate, write one metrics line (epoch and step) for the period since the last one."""
-        self.loss_log.flush()  # the step's own loss line first
-        timing = self.period.metrics(self.samples_seen, self.ctx.device)  # evaluation left out
+        timing = self.meter.end_period(self.samples_seen)
         train_loss = self.loss_totals.clone()
         dist.all_reduce(train_loss)
         metrics = {
@@ -337,12 +306,9 @@ class Trainer:
             "model_state_mb": model_state_bytes(self.model, self.optimizer) / 2**20,  # rank 0's share
             "lr": self.optimizer.param_groups[0]["lr"],
         }
-        metrics.update(self.throughput.metrics(timing["samples_per_s"]))
-        self.reporter.epoch_metrics(metrics)
-        report("%s", format_metrics(metrics))
+        self.meter.write_line(metrics, self.samples_seen)
         self.last_evaluated = self.step
-        self.loss_totals.zero_()
-        self._start_period()
+        self.loss_totals.zero_()  # the loss sums restart after each line (and carry over in a checkpoint)
 
     def evaluate(self):
         """The task's metrics over the whole validation set, the same on every rank."""
@@ -382,15 +348,9 @@ def main(argv=None):
     try:
         ctx = setup_distributed(cfg.timeout_seconds, trace_dir=Path(cfg.output_dir) / "nccl_trace", device=cfg.device)
     except DeviceError as error:
-        # Each node finds this alone (a broken driver may be on one node only): its first
-        # process says so, with the node's name.
-        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
-            print(f"error: {socket.gethostname()}: {error}", file=sys.stderr)
+        error.report()  # once per node, with the node's name
         return 2
-    try:
-        code = run(cfg, ctx)
-    except ExitNow:
-        exit_now(1)
+    code = run(cfg, ctx)  # a crash exits inside (faults.ExitPath), without destroying the group
     cleanup_distributed()
     return code
 

@@ -3,23 +3,24 @@
 The files a user edits are at the top of the project (config.py, model.py, dataset.py,
 train.py and the scripts); this package never imports them, except model.py and dataset.py
 through contract.py (the task contract). Each module has one job, on one floor; a module
-imports only from the floors below it:
+imports only from the modules listed below it:
 
-    contract.py      what the loop reads from model.py and dataset.py, and its defaults
-    strategy.py      --strategy ddp or fsdp: building, wrapping and sharding the model, the optimizer
     checkpoint.py    the Checkpointer: choose, load, save, the resume position, random generators
-    checkpoint_files.py  the checkpoint formats on disk: atomic single files, DCP folders
     evaluation.py    the Validator: the task's metrics over the whole validation set
-    metrics.py       metrics.jsonl, the trackers, the progress bar, step timing, MFU
-    trackers.py      TensorBoard, W&B, MLflow (--tracker)
+    metrics.py       the Meter and Reporter: metrics.jsonl, progress bar, step timing, loss lines, MFU
+    strategy.py      --strategy ddp or fsdp: building, wrapping and sharding the model, the optimizer
     profiling.py     --profile_steps
-    comm_model.py    what gradients cost to send: the preflight's prediction of a job's step
+    trackers.py      TensorBoard, W&B, MLflow (--tracker)
+    checkpoint_files.py  the checkpoint formats on disk: atomic single files, DCP folders
     data.py          which rank sees which samples, loaders, seeding
-    schedule.py      the learning rate as a pure function of samples trained
     dist.py          the process group, devices, collectives and store waits
     faults.py        error types, stop signals, the watchdog, step agreements, the exit path
     logs.py          rank-aware logging (`rank_zero_only`)
+    contract.py      what the loop reads from model.py and dataset.py (the one module that
+                     imports them), its defaults, and how a batch of any structure is handled
     knobs.py         how a config field is declared, and the one-line error for a bad value
+    schedule.py      the learning rate as a pure function of samples trained
+    comm_model.py    what gradients cost to send: the preflight's prediction of a job's step
 
 Rules the package keeps for the rest of the project:
 - Rank-0-only side effects (files, console) go through `logs.rank_zero_only`; code under it

@@ -14,8 +14,10 @@ import threading
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
+
+from .dist import agree
+from .knobs import ConfigError
 
 
 def mix_seed(*parts):
@@ -86,6 +88,19 @@ def _exit_on_parent_sigterm(parents):
             os._exit(0)  # as torch's handler does for its parent
 
 
+def build_datasets(task, cfg, ctx):
+    """The task's (train, validation) datasets (dataset.py's build_datasets). A bad setting or a
+    missing data folder (a ConfigError) is agreed by all ranks (it may be missing on one node
+    only) and reported once, before anyone waits in a collective."""
+    datasets, problem = None, None
+    try:
+        datasets = task.build_datasets(cfg)
+    except ConfigError as error:
+        problem = str(error)
+    agree(ctx, "datasets", problem, cfg.timeout_seconds)
+    return datasets
+
+
 def build_loaders(cfg, ctx, train_set, val_set):
     """The training loader (ShardedSampler) and the validation loader of this rank."""
     global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
@@ -127,20 +142,3 @@ def start_epoch(loader, epoch, rank, seed, start=0):
     if hasattr(loader.dataset, "set_epoch"):
         loader.dataset.set_epoch(epoch)
     loader.generator.manual_seed(mix_seed(seed, rank, epoch))
-
-
-def validation_batches(loader, sharded, device):
-    """This rank's validation batches, each with whether it counts. Under FSDP every forward
-    all-gathers parameters, so every rank runs as many as the rank with the most (ranks may
-    hold one sample more than others): the ones short of it repeat their last batch,
-    counted nowhere. Every rank runs at least one: the sums' names come from it."""
-    batches = torch.tensor([max(1, len(loader))], device=device)
-    if sharded:
-        dist.all_reduce(batches, op=dist.ReduceOp.MAX)
-    batch = None
-    for batch in loader:
-        yield batch, True
-    if batch is None:  # no validation sample at all on this rank: any input will do
-        batch = loader.collate_fn([loader.dataset[0]])
-    for _ in range(batches.item() - len(loader)):
-        yield batch, False

@@ -12,7 +12,9 @@ import collections
 import gc
 import json
 import os
+import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -61,6 +63,12 @@ def pick_device(local_rank):
 
 class DeviceError(RuntimeError):
     """GPUs were asked for and CUDA cannot use them: the job must not train on the CPU instead."""
+
+    def report(self):
+        """`error: <node>: <problem>` on stderr, from the node's first process: each node finds
+        this alone (a broken driver may be on one node only)."""
+        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+            print(f"error: {socket.gethostname()}: {self}", file=sys.stderr)
 
 
 # Values of CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES that ask for no GPU (SLURM writes

@@ -5,7 +5,6 @@ import torch
 import torch.distributed as dist
 
 from .contract import batch_size, model_inputs, to_device
-from .data import validation_batches
 
 
 class Validator:
@@ -44,3 +43,20 @@ class Validator:
         *sums, samples = totals.tolist()
         metrics = self.task.evaluation_metrics(dict(zip(names, sums)))
         return {**{name: float(value) for name, value in metrics.items()}, "val_samples": int(samples)}
+
+
+def validation_batches(loader, sharded, device):
+    """This rank's validation batches, each with whether it counts. Under FSDP every forward
+    all-gathers parameters, so every rank runs as many as the rank with the most (ranks may
+    hold one sample more than others): the ones short of it repeat their last batch,
+    counted nowhere. Every rank runs at least one: the sums' names come from it."""
+    batches = torch.tensor([max(1, len(loader))], device=device)
+    if sharded:
+        dist.all_reduce(batches, op=dist.ReduceOp.MAX)
+    batch = None
+    for batch in loader:
+        yield batch, True
+    if batch is None:  # no validation sample at all on this rank: any input will do
+        batch = loader.collate_fn([loader.dataset[0]])
+    for _ in range(batches.item() - len(loader)):
+        yield batch, False

@@ -37,10 +37,6 @@ class Preempted(Exception):
         self.signum = signum
 
 
-class ExitNow(Exception):
-    """Ranks are out of step and the root cause is logged: exit without waiting for anyone."""
-
-
 class StopRequest:
     """Remember a SIGTERM (torchrun, Kubernetes) or SIGUSR1 (SLURM --signal) for the loop.
 
@@ -199,8 +195,8 @@ class ExitPath:
     - Preempted (an agreed stop, the checkpoint saved): exit 128 + the signal, also written
       for scripts/launch.sh (write_stop_status);
     - anything else: the ranks are out of step. The root cause is logged first, on this rank
-      (a collective timeout as one line naming --timeout_seconds), then ExitNow is raised:
-      main exits without destroying the process group, which may block on a peer that is gone.
+      (a collective timeout as one line naming --timeout_seconds), then the process exits at
+      once (exit_now): destroying the process group may block on a peer that is gone.
     """
 
     def __init__(self, ctx, timeout_seconds):
@@ -237,10 +233,11 @@ class ExitPath:
                 else:
                     log.error("rank %d failed", self.ctx.rank, exc_info=error)
                 status = "crashed"  # the trackers are left as they are: closing one may wait on its server
-                raise ExitNow from error
             else:  # KeyboardInterrupt and the like: on its way out as it is
                 return False
             return True
         finally:
             if trainer is not None:
                 trainer.close(status)
+            if status == "crashed":
+                exit_now(1)

@@ -5,7 +5,6 @@ Nothing here calls a collective: the Trainer reduces the numbers first, then han
 """
 
 import json
-import logging
 import resource
 import sys
 import time
@@ -17,10 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .contract import build_on_meta, model_inputs
 from .dist import HostCopy
-from .logs import rank_zero_only, report
+from .logs import log, rank_zero_only, report
 from .trackers import open_trackers
-
-log = logging.getLogger("train")
 
 # Dense peak TFLOPS of one GPU from the vendors' data sheets: bf16/fp16 tensor cores, TF32
 # tensor cores, and plain FP32 (amp none with --tf32 false). Matched in order by substring of
@@ -213,6 +210,59 @@ class LossLog:
         report("step %d loss %.4f lr %.3g grad_norm %.3g%s", step, loss_value, lr, norm, scale_text)
         self.reporter.train_loss(step, values, samples_per_s)
         self.pending = None
+
+
+class Meter:
+    """What the log lines and metrics lines report, measured on every rank and written by rank 0
+    (Reporter): the period since the last metrics line (Period), each log step's loss line
+    (LossLog), tokens/s and MFU (Throughput). The trainer computes the agreed numbers (losses,
+    evaluation) with collectives; nothing here calls one."""
+
+    def __init__(self, cfg, ctx, reporter, throughput):
+        self.device, self.reporter, self.throughput = ctx.device, reporter, throughput
+        self.loss_log = LossLog(cfg.log_every_steps, reporter)
+        self.period = Period(time.perf_counter(), time.process_time(), 0)  # restarted when training starts
+
+    def start_period(self, samples):
+        """Measure what the next metrics line reports from now (`samples` trained so far): time,
+        and the peak of memory."""
+        reset_peak_memory(self.device)
+        self.period = Period(time.perf_counter(), time.process_time(), samples)
+
+    def waited_for_data(self, seconds):
+        self.period.data_wait_s += seconds
+
+    def saved_checkpoint(self, seconds):
+        self.period.checkpoint_s += seconds  # left out of throughput
+
+    def log_due(self, step):
+        """Whether optimizer step `step` gets a loss line (--log_every_steps)."""
+        return self.loss_log.due(step)
+
+    def step_done(self, step, samples, loss, norm, scale, lr):
+        """After optimizer step `step`, `samples` trained: throughput counts from the end of the
+        period's first step; the loss line is kept back a step (LossLog)."""
+        self.period.open_window(samples)
+        self.loss_log.record(step, loss, norm, scale, lr, self.period.samples_per_s(samples, time.perf_counter()))
+
+    def end_epoch(self):
+        """The last step's loss line, if it is due; the progress bar closes."""
+        self.loss_log.flush()
+        self.reporter.end_epoch()
+
+    def end_period(self, samples):
+        """The period's timing and memory, as it ends (an evaluation that follows is left out),
+        after the last step's loss line."""
+        self.loss_log.flush()
+        return self.period.metrics(samples, self.device)
+
+    def write_line(self, metrics, samples):
+        """One metrics line (metrics.jsonl, the trackers, the log), with tokens/s and MFU; the
+        next period starts."""
+        metrics = {**metrics, **self.throughput.metrics(metrics["samples_per_s"])}
+        self.reporter.epoch_metrics(metrics)
+        report("%s", format_metrics(metrics))
+        self.start_period(samples)
 
 
 class Reporter:

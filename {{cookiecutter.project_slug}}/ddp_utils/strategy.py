@@ -10,8 +10,8 @@
 
 train.py uses only what both offer (`model`, `module`, `name`, `sharded`, `sync_gradients`,
 `clip_gradients`, `save`, `load`, `wait_for_checkpoint` and `close`), so the training loop is
-one loop. The weights start the same under both:
-as the model's own code makes them (`build_module`).
+one loop. The weights start the same under both, as the model's own code makes them
+(`build_module`).
 """
 
 import contextlib
@@ -197,7 +197,7 @@ class DDPStrategy:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
     def save(self, state, optimizer, checkpoint_dir, cfg):
-        """One file, written by rank 0 (ddp_utils.save_checkpoint)."""
+        """One file, written by rank 0 (checkpoint_files.save_checkpoint)."""
         state = {**state, "model": self.module.state_dict(), "optimizer": optimizer.state_dict()}
         save_checkpoint(
             self.ctx, state, checkpoint_dir, state["step"], cfg.keep_checkpoints, cfg.checkpoint_timeout_seconds

@@ -13,13 +13,11 @@ folder).
 
 import importlib
 import json
-import logging
 import time
 from pathlib import Path
 
 from .checkpoint_files import write_atomically
-
-log = logging.getLogger("train")
+from .logs import log
 
 
 def missing_package(names):
