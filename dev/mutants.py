@@ -415,6 +415,40 @@ MUTANTS = [
         "mix_seed(self.seed, 0, index)",
         ("tests/test_task.py::test_training_windows_are_fresh_every_epoch_and_the_same_on_resume",),
     ),
+    Mutant(
+        "table_features_not_standardised",
+        "a table's features reach the model on their own scales (the training rows' statistics unused)",
+        "dataset.py",
+        'return torch.from_numpy((inputs - np.array(state["mean"])) / np.array(state["std"])).float()',
+        "return torch.from_numpy(inputs).float()",
+        ("tests/test_task.py::test_a_csv_with_unscaled_features_and_text_labels_trains",),
+        task="tabular",
+    ),
+    Mutant(
+        "table_split_not_stratified",
+        "the validation rows drawn from the whole table, not each class's share",
+        "dataset.py",
+        "groups = [np.arange(rows)] if labels is None else",
+        "groups = [np.arange(rows)] if True else",
+        ("tests/test_task.py::test_the_validation_split_is_a_function_of_the_rows_and_seed",),
+        task="tabular",
+    ),
+    Mutant(
+        "data_error_after_output_dir",
+        "bad data is found after logging has created output_dir (the old path: a logged ERROR, train.log written)",
+        "train.py",
+        "    task, datasets, notes = check_inputs(cfg, ctx)\n    setup_logging(ctx, cfg.output_dir)\n",
+        "    setup_logging(ctx, cfg.output_dir)\n    task, datasets, notes = check_inputs(cfg, ctx)\n",
+        ("tests/test_task.py::test_missing_data_is_one_line_naming_the_flag",),
+    ),
+    Mutant(
+        "bad_samples_reported_one_at_a_time",
+        "the scan for bad samples stops at the first rank's problems: the others' are lost",
+        "ddp_utils/data.py",
+        "return dict(sorted(item for problems in everyone for item in problems.items()))",
+        "return dict(sorted(everyone[0].items()))",
+        ("tests/test_data.py::test_bad_samples_are_found_on_every_rank_and_reported_or_skipped_together",),
+    ),
 ]
 
 

@@ -52,6 +52,9 @@ class Config(ModelConfig, DataConfig):
         True, "keep DataLoader workers alive across epochs and evaluations, started before training (num_workers > 0)"
     )
     prefetch_factor: int = knob(2, "batches each DataLoader worker loads ahead (with num_workers > 0)")
+    skip_bad_files: bool = knob(
+        False, "train without the samples the data's check finds bad (a corrupt image), rather than stop"
+    )
 
     # Optimisation
     batch_size: int = knob(

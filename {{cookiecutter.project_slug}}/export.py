@@ -5,7 +5,8 @@ and sharing.
 
 CHECKPOINT is what train.py wrote: a sharded folder (--strategy fsdp, e.g. checkpoints/last
 or checkpoints/step_000000400) or a file (--strategy ddp, last.pt). OUT loads with
-`torch.load(OUT, weights_only=True)`: {"model": state dict, "config": the run's Config fields}.
+`torch.load(OUT, weights_only=True)`: {"model": state dict, "config": the run's Config fields,
+"data": the training set's `data_state()` (label names, normalisation statistics) or None}.
 Under torchrun every process may run it; rank 0 alone writes OUT.
 """
 
@@ -26,10 +27,11 @@ from model import build_model
 
 
 def consolidated(path):
-    """{"model": the whole state dict, "config": the run's Config fields} of a checkpoint."""
+    """{"model": the whole state dict, "config": the run's Config fields, "data": what the
+    training data left for predictions} of a checkpoint."""
     state = load_checkpoint(path)  # a folder gives the trainer's state: config, steps
     if "model" in state:
-        return {"model": state["model"], "config": state["config"]}
+        return {"model": state["model"], "config": state["config"], "data": state.get("data")}
     try:
         # Fields since removed (RENAMED) are left out: an older run's checkpoint still exports.
         cfg = Config(**{name: value for name, value in state["config"].items() if name not in RENAMED})
@@ -45,7 +47,7 @@ def consolidated(path):
         warnings.simplefilter("ignore", UserWarning)
         # No process group: this process alone reads every shard, whatever world size wrote them.
         load_sharded_checkpoint(path, weights, group=None)
-    return {"model": weights["model"], "config": state["config"]}
+    return {"model": weights["model"], "config": state["config"], "data": state.get("data")}
 
 
 @rank_zero_only

@@ -47,7 +47,8 @@ from ddp_utils.comm_model import (
     verdict,
 )
 from ddp_utils.dist import choose_device, cleanup_distributed, process_env, processes_per_node, setup_distributed
-from train import Trainer
+from ddp_utils.knobs import InputError
+from train import Trainer, check_inputs
 
 SIZES_MB = (1, 4, 16, 64, 256)
 # Sizes past one all-reduce this long are not measured: on a slow link 256 MB takes minutes,
@@ -215,7 +216,8 @@ def step_seconds(cfg, ctx, repeats=5, warmup=2):
     bytes each node sends to other nodes per step}): medians, the slowest rank's, so every rank
     agrees.
     """
-    trainer = Trainer(cfg, ctx)
+    task, datasets, _ = check_inputs(cfg, ctx)  # bad data: an InputError, a PROBLEM line
+    trainer = Trainer(cfg, ctx, task, datasets)
     try:
         batch = next(iter(trainer.train_loader))
         medians = []
@@ -294,7 +296,7 @@ def main(argv=None):
                     print(f"nodes: {hook_advice(prediction)}")
                     per_strategy = ", ".join(f"{name} {count / 2**20:.1f} MB" for name, count in crossing.items())
                     print(f"inter-node traffic a step, each node: {per_strategy} (hsdp: a replica a node)", flush=True)
-    except PreflightError as problem:
+    except (PreflightError, InputError) as problem:
         say(rank, f"PROBLEM: {problem}", lines)
         return 1
     finally:

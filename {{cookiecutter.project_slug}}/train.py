@@ -23,11 +23,12 @@ import torch.distributed as dist
 
 from config import parse_config, write_resolved_config
 from ddp_utils.checkpoint import Checkpointer, resume_position
-from ddp_utils.contract import batch_size, load_task, model_inputs, to_device
+from ddp_utils.contract import batch_size, data_state, load_task, model_inputs, to_device
 from ddp_utils.data import build_datasets, build_loaders, mix_seed, seed_everything, start_epoch
 from ddp_utils.dist import Agreement, DeviceError, agree, cleanup_distributed, set_tf32, setup_distributed
 from ddp_utils.evaluation import Validator
-from ddp_utils.faults import ExitPath, Preempted, StepChecks, StopRequest, TrainingError, Watchdog, write_stop_status
+from ddp_utils.faults import ExitPath, Preempted, StepChecks, StopRequest, Watchdog, write_stop_status
+from ddp_utils.knobs import InputError, print_error
 from ddp_utils.logs import rank_zero_only, report, setup_logging, warn_main
 from ddp_utils.metrics import Meter, Reporter, build_throughput
 from ddp_utils.profiling import StepProfiler
@@ -41,20 +42,13 @@ class Trainer:
     `optimizer_step`, `evaluate`). The components own their state and cadence: the strategy
     (ddp or fsdp), the Checkpointer, the Validator, the Meter, the StepProfiler, the Watchdog."""
 
-    def __init__(self, cfg, ctx):
+    def __init__(self, cfg, ctx, task, datasets):
         self.cfg, self.ctx = cfg, ctx
-        self.task = load_task()  # model.py's and dataset.py's functions (ddp_utils/contract.py)
+        self.task = task  # model.py's and dataset.py's functions (ddp_utils/contract.py)
         self.output_dir = Path(cfg.output_dir)
-        # Only rank 0 imports the trackers' packages; a missing one stops every rank at once.
-        agree(ctx, "trackers_installed", rank_zero_only(missing_package)(cfg.trackers), cfg.timeout_seconds)
-        self.train_loader, self.val_loader = build_loaders(cfg, ctx, *build_datasets(self.task, cfg, ctx))
+        self.train_loader, self.val_loader = build_loaders(cfg, ctx, *datasets)
         self.global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps
-        if self.steps_per_epoch == 0:
-            raise TrainingError(
-                f"--train_samples {cfg.train_samples} is less than one global batch "
-                f"(batch_size x world_size x grad_accum_steps = {self.global_batch})"
-            )
         planned_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         self.plan = Plan(
             total_samples=planned_steps * self.global_batch,  # the schedule spans the planned run
@@ -92,7 +86,7 @@ class Trainer:
         # Fires a little before the collective timeout, so stacks are written before the job ends.
         self.watchdog = Watchdog(cfg.timeout_seconds, ctx.rank, self.stop)
         self.checkpointer = Checkpointer(cfg, ctx, self.strategy, self.optimizer, self.scaler, self.watchdog,
-                                         self.task.shape_fields)  # fmt: skip
+                                         self.task.shape_fields, data_state(datasets[0]))  # fmt: skip
 
         self.validator = Validator(cfg, ctx, self.task, self.strategy, self.val_loader, self.watchdog, self.amp_dtype)
         one_sample = self.train_loader.collate_fn([self.train_loader.dataset[0]])  # for the FLOP count
@@ -327,13 +321,28 @@ class Trainer:
         self.train_loader = self.val_loader = self.validator = None
 
 
+def check_inputs(cfg, ctx):
+    """The task, its datasets (read, split, scanned for bad samples) and notes about them, once
+    the data and the trackers' packages are known to be usable; else an InputError on every
+    rank, before anything is written."""
+    task = load_task()  # model.py's and dataset.py's functions (ddp_utils/contract.py)
+    datasets, notes = build_datasets(task, cfg, ctx)
+    # Only rank 0 imports the trackers' packages; a missing one stops every rank at once.
+    missing = rank_zero_only(missing_package)(cfg.trackers)
+    agree(ctx, "trackers_installed", missing, cfg.timeout_seconds, InputError)
+    return task, datasets, notes
+
+
 def run(cfg, ctx):
     """Train; returns the exit code (ExitPath: how each failure ends). Everything holding
     process-group work (DDP's reducer) is released when this returns, before the group is
-    destroyed."""
+    destroyed. Bad data or settings raise InputError before output_dir is created."""
+    task, datasets, notes = check_inputs(cfg, ctx)
     setup_logging(ctx, cfg.output_dir)
+    for note in notes:
+        warn_main(note)
     with ExitPath(ctx, cfg.timeout_seconds) as ending:
-        trainer = ending.trainer = Trainer(cfg, ctx)
+        trainer = ending.trainer = Trainer(cfg, ctx, task, datasets)
         trainer.resume()
         trainer.write_config()
         trainer.open_trackers()
@@ -350,7 +359,11 @@ def main(argv=None):
     except DeviceError as error:
         error.report()  # once per node, with the node's name
         return 2
-    code = run(cfg, ctx)  # a crash exits inside (faults.ExitPath), without destroying the group
+    try:
+        code = run(cfg, ctx)  # a crash exits inside (faults.ExitPath), without destroying the group
+    except InputError as error:  # agreed by every rank; nothing written yet
+        print_error(str(error))
+        code = 2
     cleanup_distributed()
     return code
 

@@ -3,7 +3,9 @@ is, and where in the epoch to continue. checkpoint_files.py holds the formats on
 
 A checkpoint holds the model and optimizer state (one file under ddp, shards under fsdp: the
 strategy's `save` and `load`), the loss scaler, the trainer's progress (epoch, step, samples),
-each rank's random generators and partial loss sums, and the config it was trained with.
+each rank's random generators and partial loss sums, the config it was trained with, and what
+predicting needs from the training data (the training set's `data_state()`: label names,
+normalisation statistics).
 """
 
 import contextlib
@@ -24,10 +26,11 @@ class Checkpointer:
     """Saves and restores one run's checkpoints in output_dir/checkpoints; every rank calls
     every method (rank 0 chooses and writes files, the others wait through the store)."""
 
-    def __init__(self, cfg, ctx, strategy, optimizer, scaler, watchdog, shape_fields):
+    def __init__(self, cfg, ctx, strategy, optimizer, scaler, watchdog, shape_fields, data_state=None):
         self.cfg, self.ctx = cfg, ctx
         self.strategy, self.optimizer, self.scaler, self.watchdog = strategy, optimizer, scaler, watchdog
         self.shape_fields = shape_fields  # config fields a checkpoint must match (model.py's SHAPE_FIELDS)
+        self.data_state = data_state  # what predicting needs from the training data (contract.data_state)
         self.folder = Path(cfg.output_dir) / "checkpoints"
         self.last_saved = None  # the step of the last checkpoint this process wrote
 
@@ -117,6 +120,7 @@ class Checkpointer:
             "world_size": self.ctx.world_size,
             "ranks": ranks,
             "config": self.cfg.to_dict(),
+            "data": self.data_state,
         }
         self.strategy.save(state, self.optimizer, self.folder, self.cfg)
         self.last_saved = progress["step"]

@@ -6,6 +6,11 @@ dataset.py
   or list, or a dict of tensors (nested too): the loop moves any of them to the device
   (`to_device`), counts samples by their first dimension (`batch_size`), and hands the model
   `model_inputs(batch)`: a tuple's or list's first element, a dict's "inputs", or the batch.
+  A bad setting or missing data: raise `knobs.ConfigError` (naming the flag) or `InputError`.
+- On the datasets, optionally: `data_state()` (training set), what a prediction needs from the
+  training data (label names, normalisation statistics) as plain data, saved in every
+  checkpoint as state["data"]; `check_samples(indices) -> {index: problem}` and
+  `without(indices) -> Dataset`, bad samples found before training (data.find_bad_samples).
 model.py
 - `build_model(cfg) -> nn.Module`: built as written, with torch seeded by --seed, under ddp
   and fsdp alike (its own initialisation is kept).
@@ -57,6 +62,11 @@ def load_task():
         shape_fields=tuple(getattr(model, "SHAPE_FIELDS", ())),
         tokens_per_sample=getattr(model, "tokens_per_sample", lambda cfg: 1),
     )
+
+
+def data_state(train_set):
+    """What the training set keeps in every checkpoint (its `data_state()`), or None."""
+    return train_set.data_state() if hasattr(train_set, "data_state") else None
 
 
 def build_on_meta(build_model, cfg):

@@ -14,10 +14,11 @@ import threading
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
 from .dist import agree
-from .knobs import ConfigError
+from .knobs import InputError
 
 
 def mix_seed(*parts):
@@ -89,16 +90,72 @@ def _exit_on_parent_sigterm(parents):
 
 
 def build_datasets(task, cfg, ctx):
-    """The task's (train, validation) datasets (dataset.py's build_datasets). A bad setting or a
-    missing data folder (a ConfigError) is agreed by all ranks (it may be missing on one node
-    only) and reported once, before anyone waits in a collective."""
+    """The task's (train, validation) datasets (dataset.py's build_datasets), checked before
+    anything is written: returns ((train, val), notes to log), or raises InputError on every
+    rank alike (train.py prints it once: `error: ...`, exit status 2).
+
+    - A bad setting or missing data (dataset.py raises InputError or ConfigError; an OSError
+      reading a file) is agreed by all ranks: it may be missing on one node only.
+    - Datasets with `check_samples` are scanned for bad samples before the first step, each
+      rank a share (find_bad_samples): those of both sets are reported at once, or left out
+      with --skip_bad_files (`without(indices)`, the same on every rank).
+    - The training set holds at least one global batch, the validation set a sample.
+    """
     datasets, problem = None, None
     try:
         datasets = task.build_datasets(cfg)
-    except ConfigError as error:
+    except (InputError, OSError) as error:
         problem = str(error)
-    agree(ctx, "datasets", problem, cfg.timeout_seconds)
-    return datasets
+    agree(ctx, "datasets", problem, cfg.timeout_seconds, InputError)
+    found = {name: find_bad_samples(ctx, data) for name, data in zip(SPLITS, datasets)}
+    reports = [
+        f"{describe_bad_samples(bad)} in the {name} set ({shown_problems(bad)})" for name, bad in found.items() if bad
+    ]
+    if reports and (not cfg.skip_bad_files or any(-1 in bad for bad in found.values())):
+        raise InputError(f"{', '.join(reports)}: --skip_bad_files true trains without them")
+    train, val = (data.without(sorted(found[name])) if found[name] else data for name, data in zip(SPLITS, datasets))
+    notes = [f"--skip_bad_files: training without {report}" for report in reports]
+    global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
+    if len(train) < global_batch:
+        raise InputError(
+            f"the training set has {len(train)} samples, fewer than one global batch of {global_batch} "
+            f"(--batch_size {cfg.batch_size} x {ctx.world_size} processes x --grad_accum_steps {cfg.grad_accum_steps})"
+        )
+    if len(val) == 0:
+        raise InputError("the validation set is empty")
+    return (train, val), notes
+
+
+SPLITS = ("training", "validation")
+SHOWN_PROBLEMS = 20  # bad samples named in the error; the rest are counted
+
+
+def find_bad_samples(ctx, dataset):
+    """{index: problem} of the samples of `dataset` that would fail mid-epoch (a corrupt image,
+    say): every rank checks a share with the dataset's `check_samples(indices)`, and every rank
+    gets all the problems. Empty for a dataset without `check_samples`. Key -1: the check
+    itself failed (on some rank)."""
+    if not hasattr(dataset, "check_samples"):
+        return {}
+    try:
+        mine = dataset.check_samples(range(ctx.rank, len(dataset), ctx.world_size))
+    except Exception as error:  # noqa: BLE001 - a broken check must reach every rank, not hang them
+        mine = {-1: f"check_samples failed on rank {ctx.rank}: {type(error).__name__}: {error}"}
+    everyone = [mine]
+    if ctx.world_size > 1:
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, mine)
+    return dict(sorted(item for problems in everyone for item in problems.items()))
+
+
+def describe_bad_samples(bad):
+    return f"{len(bad)} bad sample{'s' if len(bad) > 1 else ''}"
+
+
+def shown_problems(bad):
+    """The first SHOWN_PROBLEMS problems, the rest counted."""
+    shown = "; ".join(list(bad.values())[:SHOWN_PROBLEMS])
+    return shown + (f"; and {len(bad) - SHOWN_PROBLEMS} more" if len(bad) > SHOWN_PROBLEMS else "")
 
 
 def build_loaders(cfg, ctx, train_set, val_set):

@@ -344,12 +344,13 @@ def store_barrier(ctx, name, error=None, timeout_seconds=1800, knob="--checkpoin
     return None
 
 
-def agree(ctx, name, problem, timeout_seconds):
+def agree(ctx, name, problem, timeout_seconds, error=TrainingError):
     """Stop every rank with `problem` (None: no problem) if any rank has one: all ranks call
-    this, and the error is reported once (a TrainingError), before anyone waits in a collective."""
+    this, and every rank raises `error(problem)`, reported once, before anyone waits in a
+    collective."""
     problem = store_barrier(ctx, name, problem, timeout_seconds, "--timeout_seconds")
     if problem:
-        raise TrainingError(problem)
+        raise error(problem)
 
 
 def share_from_main(ctx, name, value, timeout_seconds):

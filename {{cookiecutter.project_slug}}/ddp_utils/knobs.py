@@ -1,4 +1,4 @@
-"""How a config field is declared: `knob()`, and the one-line error for a bad value.
+"""How a config field is declared: `knob()`, and the one-line error for a bad value or bad data.
 
 config.py, model.py and dataset.py all declare their fields this way; Config joins them. The
 task's scripts parse their flags with `OneLineParser` too.
@@ -15,7 +15,12 @@ def knob(default, help, choices=None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Bad settings or data, found before training starts: reported as one line, `error: ...`,
+    exit status 2, with nothing written (train.py checks the data before it creates output_dir)."""
+
+
+class ConfigError(InputError):
     """A bad value: `ConfigError("lr", "must be greater than 0")` reads "--lr must be greater than 0"."""
 
     def __init__(self, name, problem):
@@ -33,6 +38,12 @@ class OneLineParser(argparse.ArgumentParser):
 def exit_with_error(message):
     """Print `error: <message>` and exit with status 2. Every rank parses the command line; only
     the first prints, all exit."""
+    print_error(message)
+    sys.exit(2)
+
+
+def print_error(message):
+    """`error: <message>` on stderr, from the first process only: the one format of every bad
+    setting or data (exit status 2)."""
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)

@@ -388,9 +388,10 @@ def float64():
     dataset.build_datasets = lambda cfg: tuple(InFloat64(d) for d in build_datasets(cfg))
 
 
-class InFloat64(torch.utils.data.Dataset):
-    """A dataset's items with their floating-point tensors in float64; anything else the
-    dataset offers (set_epoch) passes through."""
+class Wrapped(torch.utils.data.Dataset):
+    """A dataset seen through a probe: anything it offers (set_epoch, data_state) passes
+    through, but its dunder methods do not (its __getitems__ would bypass the wrapper's
+    __getitem__)."""
 
     def __init__(self, data):
         self.data = data
@@ -399,15 +400,56 @@ class InFloat64(torch.utils.data.Dataset):
         return len(self.data)
 
     def __getitem__(self, index):
+        return self.data[index]
+
+    def __getattr__(self, name):
+        if name == "data" or name.startswith("__"):  # data: not set yet (unpickling in a DataLoader worker)
+            raise AttributeError(name)
+        return getattr(self.data, name)
+
+
+class InFloat64(Wrapped):
+    """A dataset's items with their floating-point tensors in float64."""
+
+    def __getitem__(self, index):
         item = self.data[index]
         return torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, item
         )
 
-    def __getattr__(self, name):
-        if name == "data":  # not set yet (unpickling in a DataLoader worker)
-            raise AttributeError(name)
-        return getattr(self.data, name)
+
+BAD_SAMPLES = {"training": {3, 10, 17}, "validation": {5}}
+
+
+def bad_samples():
+    """Samples 3, 10 and 17 of the training set and 5 of the validation set are bad, as a
+    dataset's `check_samples` finds them (contract.py); each rank is asked about its share."""
+    build_datasets = dataset.build_datasets
+
+    def with_bad_samples(cfg):
+        train, val = build_datasets(cfg)
+        return WithBadSamples(train, BAD_SAMPLES["training"]), WithBadSamples(val, BAD_SAMPLES["validation"])
+
+    dataset.build_datasets = with_bad_samples
+
+
+class WithBadSamples(Wrapped):
+    def __init__(self, data, bad, keep=None):
+        super().__init__(data)
+        self.bad, self.keep = bad, list(range(len(data))) if keep is None else keep
+
+    def __len__(self):
+        return len(self.keep)
+
+    def __getitem__(self, index):
+        return self.data[self.keep[index]]
+
+    def check_samples(self, indices):
+        return {i: f"sample {self.keep[i]} is bad (rank {RANK})" for i in indices if self.keep[i] in self.bad}
+
+    def without(self, indices):
+        dropped = set(indices)
+        return WithBadSamples(self.data, self.bad, [k for i, k in enumerate(self.keep) if i not in dropped])
 
 
 PROBES = {
@@ -415,7 +457,7 @@ PROBES = {
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write, record_initial_weights)
-    + (single_param_group, record_staging, record_mesh, children_after_close, float64)
+    + (single_param_group, record_staging, record_mesh, children_after_close, float64, bad_samples)
 }
 
 if __name__ == "__main__":

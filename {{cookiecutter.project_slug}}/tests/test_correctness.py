@@ -48,7 +48,7 @@ def compared_runs():
     """2 x 32 always; 2 x 16 with accumulation only where micro-batches leave results alone
     (not with BatchNorm, whose statistics are those of each micro-batch)."""
     with torch.device("meta"):
-        model = load_task().build_model(TINY_CONFIG)
+        model = load_task().build_model(TINY_CONFIG.resolved())  # its sizes read from the data
     batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     return ("2x32",) if batchnorm else ("2x32", "2x16_accum2")
 

@@ -3,6 +3,8 @@
 from types import SimpleNamespace
 
 import torch
+from conftest import TINY_CONFIG, read_metrics, run_training
+from ddp_probe import BAD_SAMPLES
 
 from config import Config
 from ddp_utils.data import ShardedSampler, build_loaders
@@ -71,3 +73,23 @@ def test_validation_workers_start_before_training_and_stay():
     assert sum(len(batch) for batch, _ in val_loader) == 128 and sum(len(batch) for batch, _ in val_loader) == 128
     assert val_loader._iterator._workers == workers  # the same processes, evaluation after evaluation
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_bad_samples_are_found_on_every_rank_and_reported_or_skipped_together(tmp_path):
+    """A dataset's check_samples (here: tests/ddp_probe.py bad_samples) runs on each rank's share
+    before the first step; every rank's finds in both sets are reported at once, in one `error:`
+    line and with nothing written, or with --skip_bad_files left out of training and evaluation."""
+    result = run_training(tmp_path / "stop", "--epochs", "1", nproc=2, probe="bad_samples", check=False)
+    assert result.returncode != 0
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert "3 bad samples in the training set (" in line and "1 bad sample in the validation set (" in line, line
+    assert line.endswith(": --skip_bad_files true trains without them")
+    assert all(f"sample {i} is bad" in line for samples in BAD_SAMPLES.values() for i in samples)
+    assert "rank 0" in line and "rank 1" in line  # each rank checked its share
+    assert not (tmp_path / "stop").exists()
+
+    run_training(tmp_path / "skip", "--epochs", "1", "--skip_bad_files", "true", nproc=2, probe="bad_samples")
+    log = (tmp_path / "skip" / "train.log").read_text()
+    assert "--skip_bad_files: training without 3 bad samples in the training set" in log
+    assert "--skip_bad_files: training without 1 bad sample in the validation set" in log
+    assert read_metrics(tmp_path / "skip")[-1]["val_samples"] == TINY_CONFIG.val_samples - 1

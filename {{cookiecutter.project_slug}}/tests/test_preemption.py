@@ -174,8 +174,9 @@ def test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1(tmp_path
     torchrun the stop grace (90 s, less 10) before it kills anyone: the checkpoint is saved."""
     log = open(tmp_path / "launch.log", "w")
     run_dir = tmp_path / "run"
-    # One long epoch (1600 steps), so no checkpoint is due before the signal.
-    command = ["scripts/launch.sh", *TINY, *ARGS, *TWO, "--epochs", "1", "--train_samples", "102400",
+    # One long epoch (small batches: 128 steps of the TINY samples, whatever the data), so no
+    # checkpoint is due before the signal.
+    command = ["scripts/launch.sh", *TINY, *ARGS, "--batch_size", "4", "--epochs", "1",
                "--checkpoint_every_steps", "0", "--log_every_steps", "16", "--timeout_seconds", "10",
                "--output_dir", str(run_dir)]  # fmt: skip
     env = training_env({"NPROC_PER_NODE": "2", "NNODES": "1", "MASTER_ADDR": "", "PYTHONPATH": "tests",

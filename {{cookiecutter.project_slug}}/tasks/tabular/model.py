@@ -1,8 +1,8 @@
 """The model, its loss and its validation metrics: this file and dataset.py are the task (what
 train.py reads from them: ddp_utils/contract.py's docstring).
 
-This task is a classifier, or a regression (MSE, R^2) with --dataset regression: the dtype of
-the targets tells which.
+This task is a classifier, or a regression (MSE, R^2) when --target_kind resolves to regression
+(a numeric --target, or --dataset regression): the dtype of the targets tells the loss which.
 """
 
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from ddp_utils.contract import classification_metrics, classification_sums, cros
 from ddp_utils.knobs import ConfigError, knob
 
 # A checkpoint to resume must match these (the other fields may change between runs).
-SHAPE_FIELDS = ("input_dim", "hidden_dim", "num_classes", "dataset")
+SHAPE_FIELDS = ("input_dim", "hidden_dim", "num_classes", "target_kind")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class MLP(nn.Module):
 
 
 def build_model(cfg):
-    outputs = 1 if cfg.dataset == "regression" else cfg.num_classes
+    outputs = 1 if cfg.target_kind == "regression" else cfg.num_classes
     return MLP(cfg.input_dim, cfg.hidden_dim, outputs)
 
 

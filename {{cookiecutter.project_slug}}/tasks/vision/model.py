@@ -14,7 +14,7 @@ from ddp_utils.knobs import ConfigError, knob
 class ModelConfig:
     """The model's knobs: fields of Config, each a --flag."""
 
-    num_classes: int = knob(0, "classes, 0 = the number of class folders in <data_dir>/train")
+    num_classes: int = knob(0, "classes, 0 = the number of class folders in data_dir (or data_dir/train)")
     width: int = knob(32, "channels of the first of 3 stages, doubled at each of the next two")
     depth: int = knob(2, "basic blocks per stage")
     sync_batchnorm: bool = knob(True, "batch statistics over the global batch, not each process's share")
@@ -34,12 +34,9 @@ class ModelConfig:
 
         try:
             return {"num_classes": len(class_names(self.data_dir))}
-        except ConfigError:
-            raise ConfigError(
-                "num_classes",
-                f"is 0 (one per class folder) but --data_dir {self.data_dir} has no train/<class>/ folders: "
-                "run python prepare_data.py first, or set --num_classes",
-            ) from None
+        except ConfigError as error:  # the data's problem; a run without data (preflight.py) can set the count
+            problem = f"is 0 (one per class folder) but --data_dir {error.problem} (or set --num_classes)"
+            raise ConfigError("num_classes", problem) from None
 
 
 SHAPE_FIELDS = ("num_classes", "width", "depth")  # a checkpoint to resume must match

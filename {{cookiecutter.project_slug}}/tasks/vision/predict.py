@@ -3,8 +3,9 @@
     python predict.py --checkpoint runs/default/checkpoints/last.pt cat.png dog.jpg
 
 Prints `PATH: CLASS (probability)` per image. Images are preprocessed exactly as validation
-images are (dataset.preprocess). Class names come from <data_dir>/classes.json, else the class
-folders of <data_dir>/train, else the label index.
+images are (dataset.preprocess). Class names come from the checkpoint (the training set's
+classes, saved with it), else <data_dir>/classes.json, else the data's class folders, else the
+label index.
 """
 
 import argparse
@@ -15,19 +16,24 @@ from types import SimpleNamespace
 
 import torch
 
-from dataset import load_image, preprocess
+from dataset import class_names, load_image, preprocess
+from ddp_utils.knobs import ConfigError
 from model import build_model
 
 
-def label_names(data_dir, num_classes):
-    classes_json, train = Path(data_dir) / "classes.json", Path(data_dir) / "train"
-    if classes_json.is_file():
-        names = json.loads(classes_json.read_text())
-    elif train.is_dir():
-        names = sorted(p.name for p in train.iterdir() if p.is_dir())
+def label_names(state, cfg):
+    """The class name of each label."""
+    saved = (state.get("data") or {}).get("classes")  # checkpoints from before data_state() lack it
+    if saved:
+        names = saved
+    elif (Path(cfg.data_dir) / "classes.json").is_file():
+        names = json.loads((Path(cfg.data_dir) / "classes.json").read_text())
     else:
-        names = []
-    return names if len(names) == num_classes else [str(i) for i in range(num_classes)]
+        try:
+            names = class_names(cfg.data_dir)
+        except ConfigError:  # the data is elsewhere now
+            names = []
+    return names if len(names) == cfg.num_classes else [str(i) for i in range(cfg.num_classes)]
 
 
 def main(argv=None):
@@ -58,7 +64,7 @@ def main(argv=None):
         problem = " ".join(str(error).split())  # load_state_dict's message spans lines
         sys.exit(f"error: checkpoint {args.checkpoint} is unreadable ({type(error).__name__}: {problem})")
     model.to(device).eval()
-    names = label_names(cfg.data_dir, cfg.num_classes)
+    names = label_names(state, cfg)
 
     failed = False
     for path in args.images:

@@ -3,9 +3,9 @@
     python prepare_data.py [--output_dir data/images] [--val_fraction 0.2] [--seed 0]
 
 scikit-learn ships 1797 handwritten digits (8x8 grayscale, 10 classes) inside the package. They
-are written as 32x32 PNG files in the layout dataset.py reads, train/<digit>/ and val/<digit>/,
-plus classes.json (the class names in label order, for predict.py). To train on your own
-images, put them in the same layout instead; this script is not needed then.
+are written as 32x32 PNG files in one of the layouts dataset.py reads, train/<digit>/ and
+val/<digit>/, plus classes.json (the class names in label order, for predict.py). Your own
+images need no such step: point --data_dir at a folder of <class>/ folders (dataset.py).
 """
 
 import argparse
@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+OUTPUT_DIR = "data/images"  # dataset.py's --data_dir default (DEMO_DATA_DIR): train.py finds it with no flags
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output_dir", default="data/images", help="folder to write train/, val/ and classes.json")
+    parser.add_argument("--output_dir", default=OUTPUT_DIR, help="folder to write train/, val/ and classes.json")
     parser.add_argument("--val_fraction", type=float, default=0.2, help="share of each class held out for validation")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     args = parser.parse_args(argv)

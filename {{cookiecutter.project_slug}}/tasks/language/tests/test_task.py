@@ -110,7 +110,11 @@ def test_prepare_data_without_input_uses_the_standard_library(tmp_path):
 
 
 def test_missing_data_is_one_line_naming_the_flag(tmp_path):
-    result = run_training(tmp_path, "--data_dir", tmp_path / "nowhere", "--vocab_size", "256", nproc=2, check=False)
+    """The format of every bad setting: `error: ...` once, exit status 2 (torchrun: 1), and
+    nothing written."""
+    run = tmp_path / "run"
+    result = run_training(run, "--data_dir", tmp_path / "nowhere", "--vocab_size", "256", nproc=2, check=False)
     assert result.returncode != 0
-    assert result.stdout.count(f"--data_dir {tmp_path / 'nowhere'} has no train.bin") == 1, result.stdout
+    assert result.stderr.count(f"error: --data_dir {tmp_path / 'nowhere'} has no train.bin") == 1, result.stderr
     assert 'train.py", line' not in result.stdout + result.stderr
+    assert not run.exists()

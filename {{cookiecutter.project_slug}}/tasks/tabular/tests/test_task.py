@@ -1,28 +1,119 @@
-"""The tabular task: its data, its model's FLOP count, and the worked example of a second dataset."""
+"""The tabular task: your own table (CSV, Parquet) and its errors, predict.py, the synthetic
+data, its model's FLOP count, and the worked example of a second dataset."""
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
-from conftest import read_metrics, run_training
+from conftest import PROJECT, TINY, read_metrics, run_training, training_env
+from task import COLUMNS, table, write_table
 
 import dataset
-from config import Config
+from config import Config, parse_config
 from dataset import SyntheticClassification, build_datasets
 from ddp_utils import metrics
 from ddp_utils.contract import load_task
 from ddp_utils.data import build_loaders, start_epoch
 
+# The TINY run's flags without its table (tests/task.py): the synthetic data.
+TABLE_FLAGS = {"--data_file", "--target", "--ignore_columns"}
+SYNTHETIC = [text for flag, value in zip(TINY[::2], TINY[1::2]) if flag not in TABLE_FLAGS for text in (flag, value)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """2 processes on the CSV table (TINY: tests/task.py's table, text labels, unscaled features)."""
+    output_dir = tmp_path_factory.mktemp("table") / "run"
+    run_training(output_dir, "--epochs", "4", "--amp", "none", nproc=2)
+    return output_dir
+
+
+def test_a_csv_with_unscaled_features_and_text_labels_trains(trained):
+    """Only standardised features let the model see the label's main cause (a feature of scale
+    0.001 beside one of scale 1000): high accuracy shows the statistics are applied."""
+    assert read_metrics(trained)[-1]["val_accuracy"] > 0.9
+    state = torch.load(trained / "checkpoints" / "last.pt", weights_only=True)
+    assert state["data"]["classes"] == ["high", "low", "mid"] and state["data"]["features"] == COLUMNS
+    assert max(abs(m) for m in state["data"]["mean"]) > 1000  # of the raw training rows
+
+
+def test_predict_prints_one_label_per_row(trained, tmp_path):
+    rows = write_table(tmp_path / "rows.csv", rows=40, seed=7, label=False)
+    command = [sys.executable, "predict.py", "--checkpoint", str(trained / "checkpoints" / "last.pt"),
+               "--data_file", str(rows)]  # fmt: skip
+    result = subprocess.run(command, cwd=PROJECT, env=training_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    predicted = [line.split("\t")[0] for line in result.stdout.splitlines()]
+    _, truth, _ = table(40, seed=7)
+    assert len(predicted) == 40 and set(predicted) <= {"low", "mid", "high"}
+    assert np.mean(np.array(predicted) == truth) > 0.8
+
+
+def test_a_parquet_table_with_a_numeric_target_trains_as_regression(tmp_path):
+    parquet = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+
+    features, grade, score = table(3000)
+    columns = {name: features[:, i] for i, name in enumerate(COLUMNS)} | {"grade": grade, "score": score}
+    path = tmp_path / "table.parquet"
+    parquet.write_table(pyarrow.table(columns), path)
+    run_training(tmp_path / "run", "--data_file", path, "--target", "score", "--ignore_columns", "grade",
+                 "--epochs", "3")  # fmt: skip
+    first, *_, last = read_metrics(tmp_path / "run")
+    assert "val_accuracy" not in last and last["val_r2"] > 0.8, (first, last)
+
+
+def bad_table(folder, case):
+    """A table with one problem, and the text its error must name."""
+    path = write_table(folder / "table.csv", rows=100)
+    if case == "missing target column":
+        return path, ["--target", "species"], "--target 'species' is not a column of"
+    if case == "text in a feature column":
+        lines = path.read_text().splitlines()
+        cells = lines[5].split(",")
+        lines[5] = ",".join(["Paris", *cells[1:]])
+        path.write_text("\n".join(lines) + "\n")
+        return path, [], "column 'income' holds text ('Paris') in data row 5"
+    path.write_text("")
+    return path, [], f"--data_file {path} is empty"
+
+
+@pytest.mark.parametrize("case", ["missing target column", "text in a feature column", "empty file"])
+def test_a_bad_table_is_one_line_naming_it_and_nothing_is_written(tmp_path, case):
+    path, args, message = bad_table(tmp_path, case)
+    result = run_training(tmp_path / "run", "--data_file", path, *args, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and message in line and str(path) in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_validation_split_is_a_function_of_the_rows_and_seed():
+    """Each class's share held out, from --seed alone (no rank or world size goes in)."""
+    flags = [*TINY, "--train_samples", "0", "--val_samples", "0"]
+    a, val_a = build_datasets(parse_config(flags))
+    b, val_b = build_datasets(parse_config(flags))
+    _, val_c = build_datasets(parse_config([*flags, "--seed", "1"]))
+    assert torch.equal(val_a.inputs, val_b.inputs) and torch.equal(a.inputs, b.inputs)
+    assert not torch.equal(val_a.inputs, val_c.inputs)
+    assert len(val_a) == 4000 and len(a) == 36000  # --val_fraction 0.1 of 40000 rows
+    counts = torch.bincount(a.targets) + torch.bincount(val_a.targets)
+    assert torch.bincount(val_a.targets).tolist() == [round(0.1 * count) for count in counts.tolist()]  # of each class
+
 
 def test_dataset_is_deterministic_from_seed():
-    a, _ = build_datasets(Config(seed=1))
-    b, _ = build_datasets(Config(seed=1))
-    c, _ = build_datasets(Config(seed=2))
+    a, _ = build_datasets(Config(seed=1).resolved())
+    b, _ = build_datasets(Config(seed=1).resolved())
+    c, _ = build_datasets(Config(seed=2).resolved())
     assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
     assert not torch.equal(a.inputs, c.inputs)
 
 
 def test_persistent_workers_still_get_fresh_noise_every_epoch():
-    cfg = Config(train_samples=64, batch_size=8, num_workers=2, persistent_workers=True, input_noise_std=1.0)
+    cfg = Config(train_samples=64, batch_size=8, num_workers=2, persistent_workers=True, input_noise_std=1.0).resolved()
     ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
     loader, _ = build_loaders(cfg, ctx, *build_datasets(cfg))
     assert isinstance(loader.dataset, SyntheticClassification)
@@ -65,14 +156,14 @@ def test_flops_per_sample_are_counted_as_the_model_runs():
 
 def test_second_dataset_through_config(tmp_path):
     """The README's worked example: another dataset class, chosen with --dataset."""
-    run_training(tmp_path, "--dataset", "blobs", "--epochs", "1")
+    run_training(tmp_path, *SYNTHETIC, "--dataset", "blobs", "--epochs", "1", tiny=False)
     assert read_metrics(tmp_path)[0]["val_accuracy"] > 0.9
 
 
 def test_regression_by_editing_only_the_task_files(tmp_path):
     """--dataset regression: real-valued targets, and model.py's loss (MSE) and metrics (R^2);
     nothing outside dataset.py and model.py knows about it."""
-    run_training(tmp_path, "--dataset", "regression", "--epochs", "2", nproc=2)
+    run_training(tmp_path, *SYNTHETIC, "--dataset", "regression", "--epochs", "2", nproc=2, tiny=False)
     first, last = read_metrics(tmp_path)
     assert "val_accuracy" not in last
     assert last["val_loss"] < first["val_loss"] and last["val_r2"] > 0.5, (first, last)

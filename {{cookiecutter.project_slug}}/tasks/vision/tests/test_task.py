@@ -1,15 +1,26 @@
 """The vision task: a ResNet that learns real images, predicts from a checkpoint, keeps batch
-statistics global across processes, and augments the same way on any number of processes."""
+statistics global across processes, and augments the same way on any number of processes; an
+image folder of your own splits itself, and its bad files stop a run before the first step."""
 
+import json
+import os
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import DATA, PROJECT, load_final_model, read_metrics, run_training, training_env
+from PIL import Image
 
+import dataset
+import prepare_data
 from config import Config
-from dataset import build_datasets
+from dataset import build_datasets, load_image
+from ddp_utils.knobs import ConfigError
 from ddp_utils.strategy import buffers_may_differ
 from model import SyncBatchNorm2d, build_model
 
@@ -94,3 +105,166 @@ def test_augmentation_depends_on_seed_epoch_and_index_only():
     again.set_epoch(1)
     assert torch.equal(train[5][0], again[5][0])
     assert train[5][0].shape == (3, 16, 16) and train[5][1] == again[5][1]
+
+
+# --- your own image folder ------------------------------------------------------------------
+
+CLASSES = ["cat", "dog", "fox"]
+# The whole folder, a batch of 4 per process; a quarter of each class (3 of 12) held out.
+OWN = ["--train_samples", "0", "--val_samples", "0", "--batch_size", "4", "--epochs", "1", "--val_fraction", "0.25"]
+
+
+def write_image_folder(folder, per_class=12):
+    """Class folders directly in `folder` (no train/, no val/): 16 x 16 images, each class its
+    colour plus noise, every other one WebP; and a file that is no image."""
+    rng = np.random.default_rng(0)
+    for label, name in enumerate(CLASSES):
+        (folder / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 60, (16, 16, 3)).astype(np.uint8)
+            pixels[..., label] += 180
+            Image.fromarray(pixels).save(folder / name / f"{i:02d}.{'webp' if i % 2 else 'png'}")
+    (folder / "cat" / "notes.txt").write_text("not an image")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def own_images(tmp_path_factory):
+    return write_image_folder(tmp_path_factory.mktemp("own") / "images")
+
+
+# Every rank of a real process group builds the datasets as train.py does, and writes its samples.
+SPLIT_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, os.getcwd())
+from config import parse_config
+from ddp_utils.contract import load_task
+from ddp_utils.data import build_datasets
+from ddp_utils.dist import cleanup_distributed, setup_distributed
+
+cfg = parse_config(sys.argv[2:])
+ctx = setup_distributed()
+(train, val), _ = build_datasets(load_task(), cfg, ctx)
+with open(os.path.join(sys.argv[1], f"rank{ctx.rank}.json"), "w") as out:
+    json.dump({"train": train.samples, "val": val.samples}, out)
+cleanup_distributed()
+"""
+
+
+def test_an_image_folder_without_val_splits_itself_the_same_on_any_world_size(own_images, tmp_path):
+    """Without val/, --val_fraction of each class is held out: the same images in one process
+    and in each of two under torchrun (whatever their Python hash seeds); others with another --seed."""
+    cfg = Config(data_dir=str(own_images), val_fraction=0.25, seed=3)
+    train, val = build_datasets(cfg)
+    split = {"train": [list(s) for s in train.samples], "val": [list(s) for s in val.samples]}
+    assert [sum(label == c for _, label in val.samples) for c in range(3)] == [3, 3, 3]  # each class its share
+    assert sorted(path for path, _ in train.samples + val.samples) == sorted(
+        str(p) for p in own_images.glob("*/*.*") if p.suffix != ".txt"
+    )  # .png and .webp, each image once
+    assert {os.path.splitext(path)[1] for path, _ in val.samples} == {".png", ".webp"}
+    other_seed = build_datasets(Config(data_dir=str(own_images), val_fraction=0.25, seed=4))[1]
+    assert other_seed.samples != val.samples
+
+    script = tmp_path / "split.py"
+    script.write_text(SPLIT_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    flags = ["--data_dir", str(own_images), "--val_fraction", "0.25", "--seed", "3", "--batch_size", "4"]
+    subprocess.run([*command, str(tmp_path), *flags], cwd=PROJECT, env=training_env(), check=True, timeout=120)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == split
+
+
+def test_training_on_an_image_folder_of_png_and_webp(own_images, tmp_path):
+    """2 processes train on the folder as it is; the file that is no image is counted, once;
+    the checkpoint names the classes, and predict.py reads them from it (the data gone)."""
+    result = run_training(tmp_path / "run", "--data_dir", own_images, *OWN, nproc=2)
+    assert read_metrics(tmp_path / "run")[-1]["val_samples"] == 9
+    assert result.stderr.count("left out 1 file of no image format Pillow opens (1 .txt)") == 1, result.stderr
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["data"] == {"classes": CLASSES}
+    state["config"]["data_dir"] = str(tmp_path / "gone")
+    torch.save(state, checkpoint := tmp_path / "moved.pt")
+    image = own_images / "dog" / "01.webp"
+    command = [sys.executable, "predict.py", "--checkpoint", str(checkpoint), "--device", "cpu", str(image)]
+    result = subprocess.run(command, cwd=PROJECT, env=training_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(rf"{re.escape(str(image))}: (cat|dog|fox) \(0\.\d+\)", result.stdout.strip()), result.stdout
+
+
+def test_a_corrupt_image_stops_the_run_before_the_first_step(own_images, tmp_path):
+    """A truncated PNG and a text file named .png: one error line naming them and Pillow's
+    reason, before anything is written; --skip_bad_files true trains without them."""
+    data = shutil.copytree(own_images, tmp_path / "data")
+    whole = (data / "cat" / "00.png").read_bytes()
+    bad = {str(data / "cat" / "cut.png"): "image file is truncated", str(data / "dog" / "text.png"): "cannot identify"}
+    (data / "cat" / "cut.png").write_bytes(whole[: len(whole) // 2])
+    (data / "dog" / "text.png").write_text("not a PNG")
+
+    result = run_training(tmp_path / "stopped", "--data_dir", data, *OWN, nproc=2, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr
+    assert not (tmp_path / "stopped").exists()
+    train, val = build_datasets(Config(data_dir=str(data), val_fraction=0.25))
+    in_train, in_val = ([path for path, _ in d.samples if path in bad] for d in (train, val))
+    assert len(in_train + in_val) == 2 and all(f"{p}: {bad[p]}" in errors[0] for p in bad), errors  # both at once
+
+    run_training(tmp_path / "skipped", "--data_dir", data, *OWN, "--skip_bad_files", "true")
+    assert read_metrics(tmp_path / "skipped")[-1]["val_samples"] == len(val) - len(in_val)
+    assert "training without" in (tmp_path / "skipped" / "train.log").read_text()
+
+
+def test_16_bit_images_keep_their_values(tmp_path):
+    """16-bit grayscale (PNG: Pillow's I;16) scaled by 65535, float images (TIFF: F) clipped to
+    [0, 1], 8-bit ones by 255; all as 3 equal channels, not clipped to white by convert("RGB")."""
+    values16 = np.array([[0, 1000], [32768, 65535]], np.uint16)
+    Image.fromarray(values16).save(tmp_path / "16.png")
+    Image.fromarray(np.array([[-0.5, 0.25], [0.5, 2.0]], np.float32)).save(tmp_path / "float.tif")
+    Image.fromarray(np.array([[0, 51], [128, 255]], np.uint8)).save(tmp_path / "8.png")
+    expected = {"16.png": values16 / 65535, "float.tif": [[0, 0.25], [0.5, 1]], "8.png": [[0, 0.2], [128 / 255, 1]]}
+    for name, values in expected.items():
+        image = load_image(tmp_path / name)
+        assert image.shape == (3, 2, 2) and image.dtype == torch.float32
+        assert torch.allclose(image, torch.tensor(values, dtype=torch.float32).expand(3, 2, 2), atol=1e-6), name
+
+
+def test_the_check_decodes_only_new_or_changed_images(tmp_path, monkeypatch):
+    """Images that decoded fine are remembered by size and modification time: a second check
+    decodes none of them, a changed file is decoded again, a bad one each time."""
+    data = write_image_folder(tmp_path / "images", per_class=2)
+    train, _ = build_datasets(Config(data_dir=str(data), val_fraction=0.5))
+    decoded, read_pixels = [], dataset.read_pixels
+
+    def counting(path):
+        decoded.append(path)
+        return read_pixels(path)
+
+    monkeypatch.setattr(dataset, "read_pixels", counting)
+    everything = range(len(train))
+    assert train.check_samples(everything) == {} and len(decoded) == len(train) == 3
+    decoded.clear()
+    assert train.check_samples(everything) == {} and decoded == []
+
+    touched, cut = train.samples[0][0], train.samples[1][0]
+    os.utime(touched, ns=(os.stat(touched).st_atime_ns, os.stat(touched).st_mtime_ns + 10**9))
+    Path(cut).write_bytes(Path(cut).read_bytes()[:40])
+    decoded.clear()
+    problems = train.check_samples(everything)
+    assert sorted(decoded) == sorted([touched, cut]) and list(problems) == [1] and problems[1].startswith(f"{cut}: ")
+    decoded.clear()
+    assert train.check_samples(everything) == problems and decoded == [cut]  # a bad file: each time
+    assert [path for path, _ in train.without([1]).samples] == [touched, train.samples[2][0]]
+    assert train.data_state() == {"classes": CLASSES}
+
+
+def test_a_folder_without_images_says_what_it_holds(tmp_path, monkeypatch):
+    """No images: the error counts the other files; only the demo's folder points at prepare_data.py."""
+    (tmp_path / "own" / "cat").mkdir(parents=True)
+    (tmp_path / "own" / "cat" / "scan.raw").write_bytes(b"")
+    with pytest.raises(ConfigError) as error:
+        build_datasets(Config(data_dir=str(tmp_path / "own")))
+    assert "has no training images, only 1 file of no image format Pillow opens (1 .raw)" in str(error.value)
+    assert "prepare_data" not in str(error.value)
+    monkeypatch.chdir(tmp_path)
+    assert Config().data_dir == prepare_data.OUTPUT_DIR  # train.py finds prepare_data.py's images by default
+    with pytest.raises(ConfigError, match="run python prepare_data.py first"):
+        build_datasets(Config())

@@ -1,0 +1,69 @@
+"""Predict the target of each row of a table with a trained checkpoint, in one process.
+
+    python predict.py --checkpoint runs/default/checkpoints/last.pt --data_file rows.csv
+
+Prints one prediction per row, in order: a class label and its probability, or a number
+(regression). The rows need the feature columns the model was trained on, by name (other
+columns, the target among them, are ignored); they are standardised with the training rows'
+statistics, which the checkpoint holds (dataset.Table.data_state).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from dataset import read_table, standardise
+from ddp_utils.knobs import InputError, exit_with_error
+from model import build_model
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint written by train.py (or export.py)")
+    parser.add_argument("--data_file", required=True, help="a CSV or Parquet table of rows to predict")
+    args = parser.parse_args(argv)
+
+    if Path(args.checkpoint).is_dir():
+        exit_with_error(
+            f"checkpoint {args.checkpoint} is sharded (--strategy fsdp): "
+            f"python export.py {args.checkpoint} model.pt, then pass model.pt"
+        )
+    if not Path(args.checkpoint).is_file():
+        exit_with_error(f"checkpoint {args.checkpoint} not found")
+    try:
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        cfg = SimpleNamespace(**state["config"])  # every Config field, input_dim and num_classes resolved
+        model = build_model(cfg)
+        model.load_state_dict(state["model"])
+    except Exception as error:  # truncated file, not a checkpoint, another model's weights
+        problem = " ".join(str(error).split())  # load_state_dict's message spans lines
+        exit_with_error(f"checkpoint {args.checkpoint} is unreadable ({type(error).__name__}: {problem})")
+    data = state.get("data")
+    if not data:
+        exit_with_error(f"checkpoint {args.checkpoint} was not trained on a table (--data_file): no columns to read")
+    try:
+        table = read_table(args.data_file, "data_file")
+        why = "features must be numbers"
+        inputs = standardise(np.stack([table.numbers(name, why) for name in data["features"]], axis=1), data)
+    except InputError as error:
+        exit_with_error(str(error))
+
+    model.eval()
+    with torch.no_grad():
+        outputs = model(inputs).float()
+    if data["target_kind"] == "regression":
+        for value in outputs[:, 0] * data["target_std"] + data["target_mean"]:
+            print(f"{value.item():.6g}")
+    else:
+        probabilities, labels = outputs.softmax(dim=-1).max(dim=-1)
+        for probability, label in zip(probabilities.tolist(), labels.tolist()):
+            print(f"{data['classes'][label]}\t{probability:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
