@@ -284,8 +284,8 @@ class ConfigFile(argparse.Action):
 
 
 def read_config_file(path):
-    """The fields a TOML file sets, type-checked; exits with one line naming the file (and the
-    key) for a file that cannot be read or parsed, an unknown key or a value of the wrong type."""
+    """The fields a TOML file sets, type-checked; exits with one line naming the file (and every
+    bad key) for a file that cannot be read or parsed, unknown keys or values of the wrong type."""
     try:
         with open(path, "rb") as f:
             document = tomllib.load(f)
@@ -294,7 +294,7 @@ def read_config_file(path):
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         exit_with_error(f"--config {path}: not valid TOML: {error}")
     fields = {f.name: f for f in dataclasses.fields(Config)}
-    values, where = {}, {}
+    values, where, problems = {}, {}, []
     for key, value in document.items():
         # A section ([optimisation], say) only groups fields: its keys are field names.
         if isinstance(value, dict) and key not in fields:
@@ -303,26 +303,34 @@ def read_config_file(path):
             entries = [(key, key, value)]
         for place, name, item in entries:
             if name in RENAMED:
-                exit_with_error(f"--config {path}: key {place} {RENAMED[name]}")
-            if name not in fields:
+                problems.append(f"key {place} {RENAMED[name]}")
+            elif name not in fields:
                 close = difflib.get_close_matches(name, fields, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else " (keys are Config fields: train.py --help)"
-                exit_with_error(f"--config {path}: unknown key {place}{hint}")
-            if name in values:
-                exit_with_error(f"--config {path}: key {place} is set twice (also as {where[name]})")
-            values[name], where[name] = checked_value(path, place, item, fields[name].type), place
+                problems.append(f"unknown key {place}{hint}")
+            elif name in values:
+                problems.append(f"key {place} is set twice (also as {where[name]})")
+            else:
+                values[name], where[name] = item, place
+                problem = type_problem(place, item, fields[name].type)
+                if problem:
+                    problems.append(problem)
+                elif fields[name].type is float:
+                    values[name] = float(item)  # an integer where a number is wanted
+    if problems:  # all of them at once: one edit fixes the file
+        exit_with_error(f"--config {path}: {'; '.join(problems)}")
     return values
 
 
-def checked_value(path, place, value, wanted):
-    """`value` as the field's type, or exit naming the key: TOML's own types, no conversions
-    but an integer where a float is wanted."""
+def type_problem(place, value, wanted):
+    """Why `value` cannot be the field's type, or None: TOML's own types, no conversions but an
+    integer where a float is wanted."""
     if wanted is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        return None
     if isinstance(value, wanted) and not (wanted is int and isinstance(value, bool)):
-        return value
+        return None
     kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string in quotes"}
-    exit_with_error(f"--config {path}: key {place} must be {kinds[wanted]}, not {value!r} ({type(value).__name__})")
+    return f"key {place} must be {kinds[wanted]}, not {value!r} ({type(value).__name__})"
 
 
 def parse_config(argv=None, resolve=True):

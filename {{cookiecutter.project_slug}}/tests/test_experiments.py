@@ -60,6 +60,11 @@ def test_file_over_defaults_and_flags_over_file(tmp_path):
         ('amp = "fp8"\n', "key amp must be one of bf16, fp16, none"),
         ("max_grad_norm = nan\n", "key max_grad_norm must be a finite number"),
         ("[logging]\ntensorboard = true\n", "key logging.tensorboard was replaced by --tracker tensorboard"),
+        (  # every bad key at once, in the file's order: one edit fixes them all
+            'lre = 0.1\nepochs = 2.5\n[speed]\ncompile = "yes"\n',
+            "unknown key lre (did you mean lr?); key epochs must be an integer, not 2.5 (float); "
+            "key speed.compile must be true or false, not 'yes' (str)",
+        ),
     ],
 )
 def test_bad_file_is_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
