@@ -460,6 +460,22 @@ MUTANTS = [
         task="vision",
     ),
     Mutant(
+        "token_files_always_uint16",
+        "token files read as uint16 whatever meta.json says: a uint32 file's ids come out in halves",
+        "dataset.py",
+        "self.tokens = np.memmap(self.path, dtype=self.dtype, mode=\"r\")",
+        "self.tokens = np.memmap(self.path, dtype=np.uint16, mode=\"r\")",
+        ("tests/test_task.py::test_a_vocabulary_over_65535_writes_uint32_token_files_that_train",),
+    ),
+    Mutant(
+        "sample_ignores_the_checkpoint_tokenizer",
+        "sample.py encodes and decodes bytes whatever tokenizer the model learned",
+        "sample.py",
+        "tokenizer = from_text(saved)",
+        "tokenizer = from_text(None)",
+        ("tests/test_task.py::test_a_trained_bpe_tokenizer_round_trips_and_the_gpt_learns_its_tokens",),
+    ),
+    Mutant(
         "config_file_stops_at_the_first_bad_key",
         "a config file's problems reported one per run: the first unknown key ends the parse",
         "config.py",

@@ -1,10 +1,13 @@
 """Data: windows of text from the token files that prepare_data.py writes.
 
-`<data_dir>/train.bin` and `val.bin` are nanoGPT's format: token ids as uint16, one after
-another, so nanoGPT's prepare scripts can fill a data folder too. Each item is `block_size`
-tokens and the same tokens shifted by one: the model predicts every next token at once.
+`<data_dir>/train.bin` and `val.bin` are nanoGPT's format: token ids one after another, uint16
+(or uint32 for a vocabulary over 65,536: `dtype` in meta.json), so nanoGPT's prepare scripts
+can fill a data folder too. Each item is `block_size` tokens and the same tokens shifted by
+one: the model predicts every next token at once. The tokenizer that made the files (meta.json,
+tokenizer.json) goes into every checkpoint, for sample.py.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,9 +49,10 @@ class TokenWindows(Dataset):
     or resume. Without it (validation) the windows are fixed and evenly spread over the file.
     """
 
-    def __init__(self, path, block_size, num_samples, seed=None):
+    def __init__(self, path, block_size, num_samples, seed=None, dtype="uint16", tokenizer="bytes"):
         self.path, self.block_size, self.num_samples, self.seed = path, block_size, num_samples, seed
-        self.num_tokens = path.stat().st_size // 2  # uint16
+        self.dtype, self.tokenizer = np.dtype(dtype), tokenizer
+        self.num_tokens = path.stat().st_size // self.dtype.itemsize
         if self.num_tokens < block_size + 1:
             raise ConfigError(
                 "data_dir",
@@ -62,6 +66,10 @@ class TokenWindows(Dataset):
 
     def set_epoch(self, epoch):
         self.epoch.fill_(epoch)
+
+    def data_state(self):
+        """Saved in every checkpoint: sample.py encodes and decodes with the same tokenizer."""
+        return {"tokenizer": self.tokenizer}
 
     def __getstate__(self):
         # A DataLoader worker started by spawn gets a pickled copy: it opens its own map.
@@ -78,7 +86,7 @@ class TokenWindows(Dataset):
 
     def __getitem__(self, index):
         if self.tokens is None:
-            self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+            self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
         start = self.offset(index)
         window = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
         return window[:-1], window[1:]
@@ -90,6 +98,27 @@ def build_datasets(cfg):
     for name in ("train.bin", "val.bin"):
         if not (folder / name).is_file():
             raise ConfigError("data_dir", f"{folder} has no {name}: {fix} first")
-    train = TokenWindows(folder / "train.bin", cfg.block_size, cfg.train_samples, seed=cfg.seed)
-    val = TokenWindows(folder / "val.bin", cfg.block_size, cfg.val_samples)
+    files = token_files(folder)
+    train = TokenWindows(folder / "train.bin", cfg.block_size, cfg.train_samples, seed=cfg.seed, **files)
+    val = TokenWindows(folder / "val.bin", cfg.block_size, cfg.val_samples, **files)
     return train, val
+
+
+def token_files(folder):
+    """{"dtype", "tokenizer"} of a data folder, from its meta.json: the ids' type (uint16 when
+    it does not say: nanoGPT's files), and "bytes" or the text of its tokenizer.json."""
+    meta_file = folder / "meta.json"
+    try:
+        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    except (OSError, ValueError) as error:
+        raise ConfigError("data_dir", f"{meta_file} is not readable JSON ({error})") from None
+    dtype = meta.get("dtype", "uint16")
+    if dtype not in ("uint16", "uint32"):
+        raise ConfigError("data_dir", f"{meta_file} says dtype {dtype!r}: token files are uint16 or uint32")
+    tokenizer = meta.get("tokenizer", "bytes")
+    if tokenizer != "bytes":
+        try:
+            tokenizer = (folder / tokenizer).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError("data_dir", f"{meta_file} names tokenizer {tokenizer!r}, unreadable: {error}") from None
+    return {"dtype": dtype, "tokenizer": tokenizer}

@@ -3,11 +3,15 @@
     python prepare_data.py                                   # the Python standard library's source
     python prepare_data.py --input notes/                    # every UTF-8 text file under a folder
     python prepare_data.py --input book.txt --output_dir data/book
+    python prepare_data.py --train_tokenizer 4096            # learn a byte-level BPE on the text
+    python prepare_data.py --tokenizer gpt2/tokenizer.json   # a Hugging Face tokenizer file
 
-Tokens are UTF-8 bytes (a vocabulary of 256), so any text works offline, with no tokenizer to
-download. The .bin files are nanoGPT's format (uint16 token ids, one after another): its
-prepare scripts (e.g. GPT-2 BPE) can fill a data folder too; then write meta.json with their
-vocab_size, or pass --vocab_size to train.py.
+Tokens are UTF-8 bytes by default (a vocabulary of 256), so any text works offline, with no
+tokenizer to download. With --tokenizer or --train_tokenizer the text is encoded by that
+tokenizer (tokenizer.py), which is written beside the token files as tokenizer.json. The .bin
+files are nanoGPT's format: token ids one after another, uint16 when the vocabulary fits, else
+uint32 (meta.json says which); nanoGPT's own prepare scripts can fill a data folder too (then
+write meta.json with their vocab_size, or pass --vocab_size to train.py).
 """
 
 import argparse
@@ -17,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ddp_utils.knobs import OneLineParser, exit_with_error
+from ddp_utils.knobs import InputError, OneLineParser, exit_with_error
+from tokenizer import ByteTokenizer, JsonTokenizer, token_dtype, train_bpe
 
 # Left out of the default corpus: installed packages, the test suites (huge and repetitive)
 # and IDLE.
@@ -50,7 +55,21 @@ def main(argv=None):
     parser.add_argument("--output_dir", default="data/text", help="folder to write the token files to")
     parser.add_argument("--val_fraction", type=float, default=0.1, help="the last this much of the text is validation")
     parser.add_argument("--max_bytes", type=int, default=0, help="use at most this many bytes of text, 0 = all")
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--tokenizer", metavar="TOKENIZER_JSON", help="a Hugging Face tokenizer.json; default: bytes")
+    choice.add_argument("--train_tokenizer", type=int, metavar="VOCAB_SIZE",
+                        help="learn a byte-level BPE tokenizer of this many ids on the text")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.train_tokenizer is not None and args.train_tokenizer <= 256:
+        exit_with_error("--train_tokenizer must be more than 256 (the byte alphabet it starts from)")
+    tokenizer = ByteTokenizer()
+    if args.tokenizer:
+        try:
+            tokenizer = JsonTokenizer(Path(args.tokenizer).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as error:
+            exit_with_error(f"--tokenizer {args.tokenizer}: cannot read it ({error})")
+        except InputError as error:
+            exit_with_error(f"--tokenizer {args.tokenizer}: {error}")
     if not 0 < args.val_fraction < 1:
         exit_with_error("--val_fraction must be between 0 and 1")
     if args.max_bytes < 0:
@@ -81,17 +100,32 @@ def main(argv=None):
     if args.max_bytes:
         text = text[: args.max_bytes]
 
-    tokens = np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
+    if args.train_tokenizer:
+        try:
+            tokenizer = train_bpe([text.decode("utf-8", errors="replace")], args.train_tokenizer)
+        except InputError as error:
+            exit_with_error(str(error))
+    dtype = token_dtype(tokenizer.vocab_size)
+    if isinstance(tokenizer, ByteTokenizer):
+        tokens = np.frombuffer(text, dtype=np.uint8).astype(dtype)
+    else:  # a file at a time, in parallel inside the library
+        pieces = tokenizer.encode_batch([piece.decode("utf-8", errors="replace") for piece in text.split(b"\n\n")])
+        separator = tokenizer.encode("\n\n")
+        tokens = np.array([t for i, ids in enumerate(pieces) for t in (separator if i else []) + ids], dtype=dtype)
     num_val = int(len(tokens) * args.val_fraction)
     train, val = tokens[: len(tokens) - num_val], tokens[len(tokens) - num_val :]
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     train.tofile(output_dir / "train.bin")
     val.tofile(output_dir / "val.bin")
-    (output_dir / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes"}) + "\n")
+    meta = {"vocab_size": tokenizer.vocab_size, "tokenizer": "bytes", "dtype": np.dtype(dtype).name}
+    if not isinstance(tokenizer, ByteTokenizer):
+        (output_dir / "tokenizer.json").write_text(tokenizer.to_text(), encoding="utf-8")
+        meta["tokenizer"] = "tokenizer.json"
+    (output_dir / "meta.json").write_text(json.dumps(meta) + "\n")
     print(
         f"{used} files ({skipped} skipped: not UTF-8 or unreadable), {len(text):,} bytes -> {output_dir}: "
-        f"{len(train):,} train tokens, {len(val):,} val tokens"
+        f"{len(train):,} train tokens, {len(val):,} val tokens ({meta['tokenizer']}, {meta['dtype']})"
     )
 
 

@@ -2,8 +2,9 @@
 
     python sample.py --checkpoint runs/default/checkpoints/last.pt --prompt "def main(" --max_new_tokens 300
 
-Text is encoded as UTF-8 bytes, the tokens prepare_data.py writes; bytes that do not form
-valid UTF-8 are printed as the replacement character.
+The prompt is encoded, and the result decoded, with the tokenizer the model was trained with,
+which the checkpoint holds (dataset.TokenWindows.data_state; bytes for a checkpoint without
+one); bytes that do not form valid UTF-8 are printed as the replacement character.
 """
 
 import argparse
@@ -12,8 +13,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ddp_utils.knobs import OneLineParser, exit_with_error
+from ddp_utils.knobs import InputError, OneLineParser, exit_with_error
 from model import build_model
+from tokenizer import describe, from_text
 
 
 def parse_args():
@@ -23,7 +25,7 @@ def parse_args():
     )
     parser.add_argument("--checkpoint", required=True, help="a checkpoint train.py wrote, e.g. .../last.pt")
     parser.add_argument("--prompt", default="\n", help="text to continue")
-    parser.add_argument("--max_new_tokens", type=int, default=500, help="tokens (bytes) to generate")
+    parser.add_argument("--max_new_tokens", type=int, default=500, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.8, help="below 1 is safer, above 1 wilder; 0 = greedy")
     parser.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens only, 0 = all")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
@@ -78,18 +80,24 @@ def main():
     if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
         exit_with_error(f"--checkpoint {args.checkpoint} has no model and config: not a checkpoint train.py wrote")
     cfg = SimpleNamespace(**state["config"])
-    if cfg.vocab_size != 256:
+    saved = (state.get("data") or {}).get("tokenizer")  # None: a checkpoint from before tokenizers: bytes
+    try:
+        tokenizer = from_text(saved)
+    except InputError as error:
+        exit_with_error(f"--checkpoint {args.checkpoint}: its tokenizer: {error}")
+    if tokenizer.vocab_size > cfg.vocab_size:
         exit_with_error(
-            f"--checkpoint has vocab_size {cfg.vocab_size}, but sample.py encodes text as bytes (256 tokens)"
+            f"--checkpoint {args.checkpoint} has vocab_size {cfg.vocab_size}, but its tokenizer, {describe(saved)}, "
+            f"makes ids up to {tokenizer.vocab_size - 1}: it was trained on other token files"
         )
 
     model = build_model(cfg)
     model.load_state_dict(state["model"])
     model.to(device).eval()
     torch.manual_seed(args.seed)
-    prompt = torch.tensor([list(args.prompt.encode("utf-8"))], dtype=torch.long, device=device)
+    prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=device)
     tokens = generate(model, prompt, args.max_new_tokens, cfg.block_size, args.temperature, args.top_k)
-    print(bytes(tokens[0].tolist()).decode("utf-8", errors="replace"))
+    print(tokenizer.decode(tokens[0].tolist()))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import DATA, PROJECT, load_final_model, read_metrics, run_training, training_env
@@ -105,7 +106,8 @@ def test_prepare_data_without_input_uses_the_standard_library(tmp_path):
     result = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "no --input: using the Python standard library's source" in result.stdout
-    assert json.loads((tmp_path / "meta.json").read_text()) == {"vocab_size": 256, "tokenizer": "bytes"}
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta == {"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}
     assert (tmp_path / "train.bin").stat().st_size + (tmp_path / "val.bin").stat().st_size == 2 * 20000
 
 
@@ -118,3 +120,57 @@ def test_missing_data_is_one_line_naming_the_flag(tmp_path):
     assert result.stderr.count(f"error: --data_dir {tmp_path / 'nowhere'} has no train.bin") == 1, result.stderr
     assert 'train.py", line' not in result.stdout + result.stderr
     assert not run.exists()
+
+
+# --- tokenizers ---------------------------------------------------------------------------
+
+
+def prepare(folder, *flags):
+    """prepare_data.py on the tests' text (DATA/text, tests/task.py) into `folder`."""
+    command = [sys.executable, "prepare_data.py", "--input", str(DATA / "text"), "--output_dir", str(folder), *flags]
+    result = subprocess.run(command, cwd=PROJECT, env=training_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return json.loads((folder / "meta.json").read_text())
+
+
+def test_a_trained_bpe_tokenizer_round_trips_and_the_gpt_learns_its_tokens(tmp_path):
+    """--train_tokenizer 512: a byte-level BPE learned offline, saved beside the token files,
+    that decodes every text back exactly; the GPT learns its tokens (below a uniform guess over
+    512), the checkpoint carries it, and sample.py decodes with it."""
+    pytest.importorskip("tokenizers")
+    from tokenizer import from_text
+
+    data = tmp_path / "bpe"
+    assert prepare(data, "--train_tokenizer", "512") == {"vocab_size": 512, "tokenizer": "tokenizer.json",
+                                                         "dtype": "uint16"}  # fmt: skip
+    tokenizer = from_text((data / "tokenizer.json").read_text())
+    text = (DATA / "text" / "argparse.py").read_text() + "ünïcödé ✓ \t\r\n"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert len(tokenizer.encode(text)) < len(text.encode()) / 2  # merges: fewer tokens than bytes
+    run = tmp_path / "run"
+    run_training(run, "--data_dir", data, "--max_steps", "40", "--eval_every_steps", "40", "--lr", "0.01", nproc=2)
+    assert read_metrics(run)[-1]["val_loss"] < math.log(512)
+    state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert state["config"]["vocab_size"] == 512 and state["data"]["tokenizer"] == tokenizer.to_text()
+    command = [sys.executable, "sample.py", "--checkpoint", str(run / "checkpoints" / "last.pt"), "--prompt", "def ",
+               "--max_new_tokens", "20", "--device", "cpu"]  # fmt: skip
+    result = subprocess.run(command, cwd=PROJECT, env=training_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("def "), result.stderr
+    assert len(result.stdout) > len("def ") + 20  # 20 tokens of several bytes each, decoded
+
+
+def test_a_vocabulary_over_65535_writes_uint32_token_files_that_train(tmp_path):
+    """A tokenizer.json of 66,300 ids (a small BPE with unused ids added to its vocabulary)."""
+    pytest.importorskip("tokenizers")
+    from tokenizer import train_bpe
+
+    document = json.loads(train_bpe([(DATA / "text" / "argparse.py").read_text()], 300).to_text())
+    document["model"]["vocab"].update({f"<unused_{i}>": 300 + i for i in range(66000)})
+    (tmp_path / "large.json").write_text(json.dumps(document))
+    meta = prepare(tmp_path / "data", "--tokenizer", tmp_path / "large.json")
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 66300
+    tokens = np.fromfile(tmp_path / "data" / "train.bin", dtype=np.uint32)
+    first = TokenWindows(tmp_path / "data" / "train.bin", 16, 4, dtype="uint32")[0]  # fixed windows: the first at 0
+    assert first[0].tolist() == tokens[:16].tolist() and first[1].tolist() == tokens[1:17].tolist()
+    run_training(tmp_path / "run", "--data_dir", tmp_path / "data", "--max_steps", "2", "--eval_every_steps", "2")
+    assert math.isfinite(read_metrics(tmp_path / "run")[-1]["val_loss"])
