@@ -172,5 +172,6 @@ def test_a_vocabulary_over_65535_writes_uint32_token_files_that_train(tmp_path):
     tokens = np.fromfile(tmp_path / "data" / "train.bin", dtype=np.uint32)
     first = TokenWindows(tmp_path / "data" / "train.bin", 16, 4, dtype="uint32")[0]  # fixed windows: the first at 0
     assert first[0].tolist() == tokens[:16].tolist() and first[1].tolist() == tokens[1:17].tolist()
-    run_training(tmp_path / "run", "--data_dir", tmp_path / "data", "--max_steps", "2", "--eval_every_steps", "2")
+    run_training(tmp_path / "run", "--data_dir", tmp_path / "data", "--max_steps", "2", "--eval_every_steps", "2",
+                 "--val_samples", "16")  # 66,300 logits a token: a small evaluation  # fmt: skip
     assert math.isfinite(read_metrics(tmp_path / "run")[-1]["val_loss"])
