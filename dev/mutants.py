@@ -463,8 +463,8 @@ MUTANTS = [
         "token_files_always_uint16",
         "token files read as uint16 whatever meta.json says: a uint32 file's ids come out in halves",
         "dataset.py",
-        "self.tokens = np.memmap(self.path, dtype=self.dtype, mode=\"r\")",
-        "self.tokens = np.memmap(self.path, dtype=np.uint16, mode=\"r\")",
+        'self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")',
+        'self.tokens = np.memmap(self.path, dtype=np.uint16, mode="r")',
         ("tests/test_task.py::test_a_vocabulary_over_65535_writes_uint32_token_files_that_train",),
     ),
     Mutant(

@@ -94,6 +94,7 @@ class Config(ModelConfig, DataConfig):
     )
     keep_checkpoints: int = knob(3, "newest step checkpoints kept besides last.pt")
     log_every_steps: int = knob(50, "log the training loss every N optimizer steps, 0 = off")
+    sample_every_steps: int = knob(0, "rank 0 logs a sample of the model's output every N steps (sample_text), 0 = off")
     progress_bar: bool = knob(True, "tqdm progress bar on rank 0 when stdout is a terminal")
     tracker: str = knob(
         "none",
@@ -148,7 +149,7 @@ class Config(ModelConfig, DataConfig):
                 raise ConfigError(name, "must be at least 1")
         non_negative = ("num_workers", "weight_decay", "max_grad_norm", "max_steps", "eval_every_steps")
         non_negative += ("warmup_steps", "checkpoint_every_steps", "keep_checkpoints", "log_every_steps", "peak_tflops")
-        non_negative += ("min_loss_scale", "max_skipped_steps", "replicate_degree")
+        non_negative += ("min_loss_scale", "max_skipped_steps", "replicate_degree", "sample_every_steps")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(name, "must not be negative")

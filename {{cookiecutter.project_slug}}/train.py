@@ -26,14 +26,21 @@ from ddp_utils.checkpoint import Checkpointer, resume_position
 from ddp_utils.contract import batch_size, data_state, load_task, model_inputs, to_device
 from ddp_utils.data import build_datasets, build_loaders, mix_seed, seed_everything, start_epoch
 from ddp_utils.dist import Agreement, DeviceError, agree, cleanup_distributed, set_tf32, setup_distributed
-from ddp_utils.evaluation import Validator
+from ddp_utils.evaluation import Sampler, Validator
 from ddp_utils.faults import ExitPath, Preempted, StepChecks, StopRequest, Watchdog, write_stop_status
 from ddp_utils.knobs import InputError, print_error
 from ddp_utils.logs import rank_zero_only, report, setup_logging, warn_main
 from ddp_utils.metrics import Meter, Reporter, build_throughput
 from ddp_utils.profiling import StepProfiler
 from ddp_utils.schedule import Plan, lr_at
-from ddp_utils.strategy import AMP_DTYPES, build_optimizer, build_strategy, model_state_bytes, unused_parameters_named
+from ddp_utils.strategy import (
+    AMP_DTYPES,
+    build_optimizer,
+    build_strategy,
+    load_full_weights,
+    model_state_bytes,
+    unused_parameters_named,
+)
 from ddp_utils.trackers import missing_package
 
 
@@ -91,6 +98,7 @@ class Trainer:
         self.validator = Validator(cfg, ctx, self.task, self.strategy, self.val_loader, self.watchdog, self.amp_dtype)
         one_sample = self.train_loader.collate_fn([self.train_loader.dataset[0]])  # for the FLOP count
         self.reporter = Reporter(ctx, cfg, self.output_dir)  # rank 0: metrics.jsonl, trackers, progress bar
+        self.sampler = Sampler(cfg, ctx, self.task, self.strategy, self.reporter, self.amp_dtype)
         self.meter = Meter(cfg, ctx, self.reporter, build_throughput(cfg, ctx, self.task, one_sample))
         self.profiler = StepProfiler(cfg, ctx.device, self.output_dir, before_toggle=self._finish_collectives)
 
@@ -108,7 +116,8 @@ class Trainer:
     def resume(self):
         """Continue from the checkpoint --resume names (the Checkpointer chooses and loads it)."""
         state, path = self.checkpointer.load()
-        if state is None:
+        if state is None:  # a fresh start: from the task's pretrained weights, if any (--init_from)
+            load_full_weights(self.strategy.module, self.task.pretrained_weights(self.cfg))
             return
         self.epoch, self.step = state["epoch"], state["step"]
         self.samples_seen = state.get("samples_seen", self.step * self.global_batch)
@@ -201,6 +210,7 @@ class Trainer:
                 raise self._preempted()
             lr = self.optimizer.param_groups[0]["lr"]
             self.meter.step_done(self.step, self.samples_seen, loss, *self.step_norm_and_scale, lr)
+            self.sampler.at_step(self.step)  # --sample_every_steps
             epoch_end = self.batches_done == self.steps_per_epoch * accum
             if self.validator.should_validate(self.step):
                 self._evaluate_and_report()
@@ -327,6 +337,8 @@ def check_inputs(cfg, ctx):
     rank, before anything is written."""
     task = load_task()  # model.py's and dataset.py's functions (ddp_utils/contract.py)
     datasets, notes = build_datasets(task, cfg, ctx)
+    if cfg.sample_every_steps and task.sample_text is None:
+        raise InputError("--sample_every_steps: this task's model.py has no sample_text(model, cfg)")
     # Only rank 0 imports the trackers' packages; a missing one stops every rank at once.
     missing = rank_zero_only(missing_package)(cfg.trackers)
     agree(ctx, "trackers_installed", missing, cfg.timeout_seconds, InputError)

@@ -21,6 +21,12 @@ model.py
   Default: a classifier's loss and accuracy; with only a `loss_fn`, the loss alone.
 - `SHAPE_FIELDS`: config fields a checkpoint to resume must match. Default: none.
 - `tokens_per_sample(cfg)`: predictions per sample, for a tokens/s figure. Default: 1.
+- `pretrained_weights(cfg)`: a whole state dict to start from (e.g. --init_from's), copied into
+  the model on a fresh start (never on resume), under ddp and fsdp alike. Default: None.
+- `sample_text(model, cfg) -> str`: a short sample of the model's output (text from a fixed
+  prompt and seed), logged every --sample_every_steps. Default: none, that flag is refused.
+- `write_hf(exported, out_dir)`: export.py --format hf, a Hugging Face folder of an exported
+  checkpoint ({"model", "config", "data"}). Default: none, that format is refused.
 - On the model, optionally: `shard_units()`, the blocks --strategy fsdp shards one by one
   (default: the children of its largest nn.ModuleList/nn.Sequential); `init_weights(name,
   module)`, an initialisation module by module, which lets a model too big for one process
@@ -42,6 +48,8 @@ class Task:
     evaluation_metrics: object  # {name: total} -> {metric: value}, with "val_loss"
     shape_fields: tuple  # config fields a checkpoint to resume must match
     tokens_per_sample: object  # cfg -> predictions per sample (tokens/s is reported when above 1)
+    pretrained_weights: object  # cfg -> a whole state dict to start from, or None
+    sample_text: object  # (model, cfg) -> a sample of its output as text, or None: the task has none
 
 
 def load_task():
@@ -61,6 +69,8 @@ def load_task():
         evaluation_metrics=getattr(model, "evaluation_metrics", metrics),
         shape_fields=tuple(getattr(model, "SHAPE_FIELDS", ())),
         tokens_per_sample=getattr(model, "tokens_per_sample", lambda cfg: 1),
+        pretrained_weights=getattr(model, "pretrained_weights", lambda cfg: None),
+        sample_text=getattr(model, "sample_text", None),
     )
 
 

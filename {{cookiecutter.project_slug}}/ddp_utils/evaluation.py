@@ -1,10 +1,12 @@
 """Evaluation: the task's metrics (model.py's evaluation_sums and evaluation_metrics, or the
-contract's defaults) over exactly the whole validation set, the same numbers on every rank."""
+contract's defaults) over exactly the whole validation set, the same numbers on every rank;
+and samples of the model's output while it trains (--sample_every_steps)."""
 
 import torch
 import torch.distributed as dist
 
 from .contract import batch_size, model_inputs, to_device
+from .logs import warn_main
 
 
 class Validator:
@@ -60,3 +62,34 @@ def validation_batches(loader, sharded, device):
         batch = loader.collate_fn([loader.dataset[0]])
     for _ in range(batches.item() - len(loader)):
         yield batch, False
+
+
+class Sampler:
+    """--sample_every_steps: the task's `sample_text(model, cfg)`, logged by rank 0 and sent to
+    the trackers. Training goes on as if it had not run: the random generators are restored,
+    no gradient is kept, the model is back in training mode. Under ddp rank 0 alone runs the
+    unwrapped model (no collective); under fsdp every rank runs it, as each forward all-gathers
+    the shards."""
+
+    def __init__(self, cfg, ctx, task, strategy, reporter, amp_dtype):
+        self.cfg, self.device, self.strategy, self.reporter = cfg, ctx.device, strategy, reporter
+        self.sample_text, self.amp_dtype = task.sample_text, amp_dtype
+        self.runs_here = ctx.is_main or strategy.sharded
+
+    def at_step(self, step):
+        if not (self.cfg.sample_every_steps and step % self.cfg.sample_every_steps == 0 and self.runs_here):
+            return
+        model = self.strategy.module
+        model.eval()
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                    text = self.sample_text(model, self.cfg)
+        except Exception as error:  # noqa: BLE001 - the same on every rank that runs it: training goes on
+            warn_main(f"--sample_every_steps: sample_text failed and is turned off: {type(error).__name__}: {error}")
+            self.runs_here = False
+            return
+        finally:
+            model.train()
+        self.reporter.sample(step, text)

@@ -309,6 +309,16 @@ class Reporter:
         self._track(numbers, metrics["step"])
 
     @rank_zero_only
+    def sample(self, step, text):
+        """A sample of the model's output (--sample_every_steps): train.log and the trackers."""
+        report("sample at step %d:\n%s", step, text)
+        for name, tracker in list(self.trackers.items()):
+            try:
+                tracker.log_text("sample", text, step)
+            except Exception as error:
+                log.warning("--tracker %s could not log a sample: %s: %s", name, type(error).__name__, error)
+
+    @rank_zero_only
     def train_loss(self, step, values, samples_per_s):
         """One log step's numbers: train_loss_step, lr, grad_norm and, under fp16, loss_scale."""
         self._track(values, step)

@@ -11,7 +11,7 @@
 train.py uses only what both offer (`model`, `module`, `name`, `sharded`, `sync_gradients`,
 `clip_gradients`, `save`, `load`, `wait_for_checkpoint` and `close`), so the training loop is
 one loop. The weights start the same under both, as the model's own code makes them
-(`build_module`).
+(`build_module`), or from pretrained weights (`load_full_weights`).
 """
 
 import contextlib
@@ -416,6 +416,22 @@ def compressed_allreduce_hook(dtype):
         return reduced.then(decompress)
 
     return hook
+
+
+def load_full_weights(module, weights):
+    """Copy a whole state dict, which every rank holds, into the module's parameters and buffers
+    in place (each rank keeps its own slice of an fsdp shard): the optimizer keeps the very
+    parameters it holds. None: nothing to load."""
+    if weights is None:
+        return
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            full = weights[name].to(device=tensor.device, dtype=tensor.dtype)
+            if hasattr(tensor, "device_mesh"):  # a DTensor shard: this rank's part, cut locally
+                from torch.distributed.tensor import distribute_tensor
+
+                full = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+            tensor.copy_(full)
 
 
 def model_state_bytes(model, optimizer):

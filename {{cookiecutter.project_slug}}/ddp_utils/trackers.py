@@ -1,10 +1,10 @@
 """Experiment trackers: TensorBoard, Weights & Biases and MLflow, chosen by --tracker.
 
-Each gets the resolved config as hyperparameters, every metrics line and the step-wise
-training loss. Only global rank 0 imports a tracker's package or talks to it (the Reporter in
-metrics.py calls in here), so a 2-process job is one tracker run, not two. A resumed run
-continues the same tracker runs: their ids are kept beside the checkpoints, in
-output_dir/trackers.json.
+Each gets the resolved config as hyperparameters, every metrics line, the step-wise
+training loss, and text samples (--sample_every_steps). Only global rank 0 imports a tracker's
+package or talks to it (the Reporter in metrics.py calls in here), so a 2-process job is one
+tracker run, not two. A resumed run continues the same tracker runs: their ids are kept beside
+the checkpoints, in output_dir/trackers.json.
 
 Where the runs go is each tool's own setting: WANDB_MODE, WANDB_DIR and `wandb login` for
 W&B; MLFLOW_TRACKING_URI for MLflow (a server; by default sqlite:///mlflow.db, in the working
@@ -80,6 +80,10 @@ class TensorBoard:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def log_text(self, name, text, step):
+        self.writer.add_text(name, text, step)
+        self.writer.flush()
+
     def close(self, status):
         self.writer.close()
 
@@ -109,6 +113,9 @@ class WandB:
 
     def log(self, metrics, step):
         self.run.log({**metrics, "step": step})
+
+    def log_text(self, name, text, step):
+        self.run.log({name: text, "step": step})
 
     def close(self, status):
         self.run.finish(exit_code=0 if status == "finished" else 1)
@@ -148,6 +155,9 @@ class MLflow:
         # In MLflow's background thread: a slow tracking server must not hold up rank 0 (the
         # other ranks would wait for it in the next all-reduce).
         self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
+
+    def log_text(self, name, text, step):
+        self.client.log_text(self.run_id, text, f"{name}/step_{step:09d}.txt")  # an artifact
 
     def close(self, status):
         self.mlflow.flush_async_logging()  # the metrics still queued

@@ -21,6 +21,7 @@ from conftest import (
 )
 
 from config import Config, parse_config
+from ddp_utils.contract import load_task
 from ddp_utils.metrics import Reporter
 
 pytestmark = pytest.mark.fixed_amp
@@ -123,6 +124,9 @@ def test_resolved_config_alone_reproduces_the_run(one_node_run, tmp_path):
 
 TRACKED = ["--tracker", "tensorboard,wandb,mlflow", "--log_every_steps", "2", "--amp", "fp16"]
 TRACKED += ["--eval_every_steps", "4", "--profile_steps", "5:7"]
+# Text samples, where model.py can make them (sample_text): at steps 4 and 8.
+SAMPLES = bool(load_task().sample_text)
+TRACKED += ["--sample_every_steps", "4"] if SAMPLES else []
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +163,8 @@ def test_mlflow_holds_one_run_with_params_and_every_metric(tracked):
     assert steps["val_loss"] == steps["train_loss"] == [4, 6, 8, 10]  # every metrics line, the run's end too
     val_loss = [m.value for m in client.get_metric_history(run.info.run_id, "val_loss")]
     assert val_loss == [line["val_loss"] for line in read_metrics(output_dir)]
+    samples = [artifact.path for artifact in client.list_artifacts(run.info.run_id, "sample")]
+    assert samples == (["sample/step_000000004.txt", "sample/step_000000008.txt"] if SAMPLES else [])
 
 
 def wandb_records(path):
@@ -203,6 +209,7 @@ def test_wandb_offline_run_is_one_run_continued_on_resume(tracked):
     assert [h["val_loss"] for h in history if "val_loss" in h] == [
         line["val_loss"] for line in read_metrics(output_dir)
     ]
+    assert [h["step"] for h in history if h.get("sample")] == ([4, 8] if SAMPLES else [])
 
 
 def test_tensorboard_has_every_metric_and_the_config(tracked):
@@ -216,14 +223,17 @@ def test_tensorboard_has_every_metric_and_the_config(tracked):
     scalars = set(events.Runs()["run"]["scalars"])
     assert {"train_loss", "val_loss", "samples_per_s", "train_loss_step", "grad_norm", "loss_scale"} <= scalars
     assert [event.step for event in events.Scalars("run", "train_loss_step")] == [2, 4, 6, 8, 10]
-    hparams = {}  # the config, for the HPARAMS tab
+    hparams, texts = {}, []  # the config, for the HPARAMS tab; the text samples' steps
     for path in sorted((output_dir / "tensorboard").glob("events.out.tfevents.*")):
         for event in EventFileLoader(str(path)).Load():
             for value in event.summary.value:
                 if value.metadata.plugin_data.plugin_name == "hparams":
                     data = HParamsPluginData.FromString(value.metadata.plugin_data.content)
                     hparams.update(data.session_start_info.hparams)
+                if value.metadata.plugin_data.plugin_name == "text" and value.tag.startswith("sample"):
+                    texts.append(event.step)
     assert hparams["lr"].number_value == LR and hparams["tracker"].string_value == "tensorboard,wandb,mlflow"
+    assert texts == ([4, 8] if SAMPLES else [])
 
 
 def test_log_steps_show_gradient_norm_and_fp16_loss_scale(tracked):

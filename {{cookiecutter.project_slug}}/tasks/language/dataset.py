@@ -99,14 +99,22 @@ def build_datasets(cfg):
         if not (folder / name).is_file():
             raise ConfigError("data_dir", f"{folder} has no {name}: {fix} first")
     files = token_files(folder)
+    used = files.pop("vocab_size")
+    if used > cfg.vocab_size:  # an id the embedding has no row for
+        raise ConfigError(
+            "vocab_size",
+            f"is {cfg.vocab_size}, but {folder / 'meta.json'} says the token files use {used} "
+            "ids: prepare the data with the model's tokenizer",
+        )
     train = TokenWindows(folder / "train.bin", cfg.block_size, cfg.train_samples, seed=cfg.seed, **files)
     val = TokenWindows(folder / "val.bin", cfg.block_size, cfg.val_samples, **files)
     return train, val
 
 
 def token_files(folder):
-    """{"dtype", "tokenizer"} of a data folder, from its meta.json: the ids' type (uint16 when
-    it does not say: nanoGPT's files), and "bytes" or the text of its tokenizer.json."""
+    """{"dtype", "tokenizer", "vocab_size"} of a data folder, from its meta.json: the ids' type
+    (uint16 when it does not say: nanoGPT's files), "bytes" or the text of its tokenizer.json,
+    and the ids it uses (0 when it does not say)."""
     meta_file = folder / "meta.json"
     try:
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
@@ -121,4 +129,7 @@ def token_files(folder):
             tokenizer = (folder / tokenizer).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise ConfigError("data_dir", f"{meta_file} names tokenizer {tokenizer!r}, unreadable: {error}") from None
-    return {"dtype": dtype, "tokenizer": tokenizer}
+    vocab_size = meta.get("vocab_size", 0)
+    if not isinstance(vocab_size, int):
+        raise ConfigError("data_dir", f"{meta_file} says vocab_size {vocab_size!r}: a whole number")
+    return {"dtype": dtype, "tokenizer": tokenizer, "vocab_size": vocab_size}

@@ -1,13 +1,15 @@
 """A decoder-only transformer (GPT) that predicts the next token, nanoGPT-style.
 
 Pre-LayerNorm blocks of causal self-attention and a GELU MLP, learned position embeddings,
-and an output layer that shares its weights with the token embedding. What train.py reads from
-this file: ddp_utils/contract.py's docstring. The knobs are the ModelConfig fields below, each a --flag.
+and an output layer that shares its weights with the token embedding: GPT-2's architecture, so
+--init_from starts from a Hugging Face GPT-2 folder and export.py --format hf writes one
+(hf_gpt2.py). What train.py reads from this file: ddp_utils/contract.py's docstring. The knobs
+are the ModelConfig fields below, each a --flag.
 """
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -15,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import hf_gpt2
+from ddp_utils.contract import build_on_meta
 from ddp_utils.knobs import ConfigError, knob
 
 # A checkpoint to resume must match these (the other fields may change between runs).
@@ -31,8 +35,12 @@ class ModelConfig:
     n_head: int = knob(6, "attention heads per block")
     n_embd: int = knob(384, "width of the residual stream (a multiple of n_head)")
     dropout: float = knob(0.0, "dropout probability on embeddings, attention and residual branches, 0 = off")
+    gelu: str = knob("exact", "the MLP's GELU: exact, or tanh (GPT-2's approximation)", choices=("exact", "tanh"))
     activation_checkpointing: bool = knob(
         False, "recompute each block's activations in backward: less memory, ~30% more compute"
+    )
+    init_from: str = knob(
+        "", "a local Hugging Face GPT-2 folder to start from (its config.json sets the shape), step 0 only"
     )
 
     def check_model(self):
@@ -47,6 +55,8 @@ class ModelConfig:
             raise ConfigError("dropout", "must be at least 0 and less than 1")
 
     def resolve_model(self):
+        if self.init_from:
+            return self.pretrained_shape()
         if self.vocab_size:
             return {}
         meta = Path(self.data_dir) / "meta.json"
@@ -60,6 +70,20 @@ class ModelConfig:
         except (ValueError, KeyError, TypeError):
             raise ConfigError("vocab_size", f"is 0, but {meta} holds no vocab_size: pass --vocab_size") from None
         return {"vocab_size": vocab_size}
+
+    def pretrained_shape(self):
+        """The shape --init_from's config.json sets; a flag set to something else is refused."""
+        pretrained = hf_gpt2.read_config(self.init_from)
+        positions = pretrained.pop("n_positions")
+        defaults = {field.name: field.default for field in fields(ModelConfig)}
+        for name, value in pretrained.items():
+            if getattr(self, name) not in (value, defaults[name]):
+                raise ConfigError(name, f"is {getattr(self, name)}, but --init_from {self.init_from} has {value}")
+        if self.block_size > positions:
+            raise ConfigError(
+                "block_size", f"is {self.block_size}, but --init_from {self.init_from} has {positions} positions"
+            )
+        return pretrained
 
 
 class SelfAttention(nn.Module):
@@ -85,9 +109,11 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         self.dropout = nn.Dropout(cfg.dropout)
+        # GPT-2 uses tanh's approximation; a checkpoint from before --gelu used the exact one.
+        self.approximate = "tanh" if getattr(cfg, "gelu", "exact") == "tanh" else "none"
 
     def forward(self, x):
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -157,6 +183,36 @@ class GPT(nn.Module):
 
 def build_model(cfg):
     return GPT(cfg)
+
+
+def pretrained_weights(cfg):
+    """--init_from's weights under this GPT's names, or None: train.py copies them in on a fresh
+    start, never on resume (the run's own checkpoint holds its weights)."""
+    if not cfg.init_from:
+        return None
+    weights = hf_gpt2.read_weights(cfg.init_from, cfg.block_size)
+    hf_gpt2.check_weights(weights, build_on_meta(build_model, cfg).state_dict(), cfg.init_from)
+    return weights
+
+
+def sample_text(model, cfg):
+    """--sample_every_steps: 64 tokens after a newline, from a fixed seed, decoded with the
+    tokenizer of the token files."""
+    from dataset import token_files
+    from sample import generate
+    from tokenizer import from_text
+
+    tokenizer = from_text(token_files(Path(cfg.data_dir))["tokenizer"])
+    torch.manual_seed(cfg.seed)
+    device = next(model.parameters()).device
+    prompt = torch.tensor([tokenizer.encode("\n")], dtype=torch.long, device=device)
+    tokens = generate(model, prompt, 64, cfg.block_size, temperature=0.8, top_k=200, vocab_size=tokenizer.vocab_size)
+    return tokenizer.decode(tokens[0].tolist())
+
+
+def write_hf(exported, out):
+    """export.py --format hf: a Hugging Face GPT-2 folder of an exported checkpoint."""
+    hf_gpt2.write_folder(exported["model"], exported["config"], (exported["data"] or {}).get("tokenizer"), out)
 
 
 def tokens_per_sample(cfg):

@@ -39,10 +39,11 @@ def parse_args():
 
 
 @torch.no_grad()
-def generate(model, tokens, max_new_tokens, block_size, temperature, top_k):
-    """Append one sampled token at a time to `tokens` [1, T]; the model sees the last block_size."""
+def generate(model, tokens, max_new_tokens, block_size, temperature, top_k, vocab_size):
+    """Append one sampled token at a time to `tokens` [1, T]; the model sees the last block_size.
+    Only the tokenizer's `vocab_size` ids are drawn (a model may have more: a pretrained one's)."""
     for _ in range(max_new_tokens):
-        logits = model(tokens[:, -block_size:])[:, -1, :].float()
+        logits = model(tokens[:, -block_size:])[:, -1, :vocab_size].float()
         if temperature == 0:
             next_token = logits.argmax(-1, keepdim=True)
         else:
@@ -96,7 +97,8 @@ def main():
     model.to(device).eval()
     torch.manual_seed(args.seed)
     prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=device)
-    tokens = generate(model, prompt, args.max_new_tokens, cfg.block_size, args.temperature, args.top_k)
+    tokens = generate(model, prompt, args.max_new_tokens, cfg.block_size, args.temperature, args.top_k,
+                      tokenizer.vocab_size)  # fmt: skip
     print(tokenizer.decode(tokens[0].tolist()))
 
 
