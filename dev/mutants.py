@@ -491,6 +491,55 @@ MUTANTS = [
         "return dict(sorted(everyone[0].items()))",
         ("tests/test_data.py::test_bad_samples_are_found_on_every_rank_and_reported_or_skipped_together",),
     ),
+    Mutant(
+        "gpt2_square_conv1d_not_transposed",
+        "GPT-2's attention output Conv1D (square, so every shape still fits) loaded untransposed",
+        "hf_gpt2.py",
+        'CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")',
+        'CONV1D = ("attn.c_attn.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")',
+        ("tests/test_task.py::test_init_from_a_gpt2_folder_gives_transformers_logits",),
+    ),
+    Mutant(
+        "hf_export_untransposed",
+        "export.py --format hf writes this GPT's [out, in] weights where GPT-2's Conv1D wants [in, out]",
+        "hf_gpt2.py",
+        "tensors[hf_name] = (tensor.t() if hf_name.endswith(CONV1D) else tensor).float().contiguous()",
+        "tensors[hf_name] = tensor.float().contiguous()",
+        ("tests/test_task.py::test_a_fine_tuned_gpt2_exports_a_folder_transformers_loads[ddp]",),
+    ),
+    Mutant(
+        "init_from_applied_again_on_resume",
+        "a resumed fine-tune loads the pretrained folder over its own checkpoint's weights",
+        "train.py",
+        "self.checkpointer.restore_rank(state, self.loss_totals)",
+        "self.checkpointer.restore_rank(state, self.loss_totals)\n"
+        "        load_full_weights(self.strategy.module, self.task.pretrained_weights(self.cfg))",
+        ("tests/test_task.py::test_fine_tuning_resumes_exactly_after_sigterm_without_loading_the_folder_again",),
+    ),
+    Mutant(
+        "fsdp_shards_get_no_pretrained_weights",
+        "under fsdp the pretrained weights are skipped: the shards keep the model's own initialisation",
+        "ddp_utils/strategy.py",
+        "    with torch.no_grad():\n        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:",
+        "    with torch.no_grad():\n        for name, tensor in [*module.named_parameters(), *module.named_buffers()][:0]:",
+        ("tests/test_task.py::test_a_fine_tuned_gpt2_exports_a_folder_transformers_loads[fsdp]",),
+    ),
+    Mutant(
+        "sampling_draws_from_the_training_generator",
+        "a text sample draws from the training's random generator: the dropout masks after it change",
+        "ddp_utils/evaluation.py",
+        "with torch.random.fork_rng(devices=devices), torch.no_grad():",
+        "with torch.no_grad():",
+        ("tests/test_task.py::test_fine_tuning_resumes_exactly_after_sigterm_without_loading_the_folder_again",),
+    ),
+    Mutant(
+        "sampling_leaves_the_model_in_eval_mode",
+        "after a text sample the model stays in evaluation mode: dropout is off for the rest of the run",
+        "ddp_utils/evaluation.py",
+        "        finally:\n            model.train()",
+        "        finally:\n            pass",
+        ("tests/test_task.py::test_fine_tuning_resumes_exactly_after_sigterm_without_loading_the_folder_again",),
+    ),
 ]
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from config import parse_config, write_resolved_config
 from ddp_utils.checkpoint import Checkpointer, resume_position
 from ddp_utils.contract import batch_size, data_state, load_task, model_inputs, to_device
-from ddp_utils.data import build_datasets, build_loaders, mix_seed, seed_everything, start_epoch
+from ddp_utils.data import build_datasets, build_loaders, global_batch_size, mix_seed, seed_everything, start_epoch
 from ddp_utils.dist import Agreement, DeviceError, agree, cleanup_distributed, set_tf32, setup_distributed
 from ddp_utils.evaluation import Sampler, Validator
 from ddp_utils.faults import ExitPath, Preempted, StepChecks, StopRequest, Watchdog, write_stop_status
@@ -54,7 +54,7 @@ class Trainer:
         self.task = task  # model.py's and dataset.py's functions (ddp_utils/contract.py)
         self.output_dir = Path(cfg.output_dir)
         self.train_loader, self.val_loader = build_loaders(cfg, ctx, *datasets)
-        self.global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
+        self.global_batch = global_batch_size(cfg, ctx)
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps
         planned_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         self.plan = Plan(

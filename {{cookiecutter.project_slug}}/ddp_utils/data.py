@@ -115,7 +115,7 @@ def build_datasets(task, cfg, ctx):
         raise InputError(f"{', '.join(reports)}: --skip_bad_files true trains without them")
     train, val = (data.without(sorted(found[name])) if found[name] else data for name, data in zip(SPLITS, datasets))
     notes = [f"--skip_bad_files: training without {report}" for report in reports]
-    global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
+    global_batch = global_batch_size(cfg, ctx)
     if len(train) < global_batch:
         raise InputError(
             f"the training set has {len(train)} samples, fewer than one global batch of {global_batch} "
@@ -158,10 +158,14 @@ def shown_problems(bad):
     return shown + (f"; and {len(bad) - SHOWN_PROBLEMS} more" if len(bad) > SHOWN_PROBLEMS else "")
 
 
+def global_batch_size(cfg, ctx):
+    """Samples of one optimizer step: every rank's micro-batches of it."""
+    return cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
+
+
 def build_loaders(cfg, ctx, train_set, val_set):
     """The training loader (ShardedSampler) and the validation loader of this rank."""
-    global_batch = cfg.batch_size * ctx.world_size * cfg.grad_accum_steps
-    sampler = ShardedSampler(len(train_set), global_batch, ctx.rank, ctx.world_size, cfg.seed)
+    sampler = ShardedSampler(len(train_set), global_batch_size(cfg, ctx), ctx.rank, ctx.world_size, cfg.seed)
     common = dict(
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
