@@ -159,7 +159,7 @@ MUTANTS = [
         "scripts/launch.sh",
         '--node-rank="$NODE_RANK"',
         "--node-rank=0",
-        ("tests/cluster/test_multinode.py::test_two_launches_on_this_machine_equal_one_node",),
+        ("tests/cluster/test_multinode.py::test_static_rendezvous_across_two_hosts_equals_one_node",),
     ),
     Mutant(
         "store_prefix_removed",

@@ -139,17 +139,22 @@ GENERATED_TEST_MODULES = sorted(str(p.relative_to(GENERATED_TESTS)) for p in GEN
     "test_task.py"
 ]
 GENERATED_TEST_MODULES.remove("cluster/test_kubernetes.py")  # kubernetes=no here: the tabular bake runs it
+# The modules of a few minutes run one by one, to spread over the workers; the short ones
+# together (each run starts Python, torch and the test data afresh).
+SHORT = ["test_config.py", "test_data.py", "test_diagnosis.py", "test_schedule.py"]
+GENERATED_TEST_RUNS = [" ".join(SHORT)] + [m for m in GENERATED_TEST_MODULES if m not in SHORT]
 # These time training against a prediction: dev/test.sh runs them after the others, alone.
 ALONE = {"cluster/test_network.py"}
 
 
 @pytest.mark.parametrize(
-    "module", [pytest.param(m, marks=pytest.mark.alone) if m in ALONE else m for m in GENERATED_TEST_MODULES]
+    "modules", [pytest.param(m, marks=pytest.mark.alone) if m in ALONE else m for m in GENERATED_TEST_RUNS]
 )
-def test_default_project_suite(default_project, module):
+def test_default_project_suite(default_project, modules):
     """The default bake (language, amp bf16) passes every module of its own suite, real
-    2-process runs included; one module per test so the modules spread over the workers."""
-    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{module}"], cwd=default_project)
+    2-process runs included; a few modules per test so that they spread over the workers."""
+    paths = [f"tests/{module}" for module in modules.split()]
+    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths], cwd=default_project)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "failed" not in result.stdout and (" passed" in result.stdout or " skipped" in result.stdout)
 
