@@ -540,6 +540,14 @@ MUTANTS = [
         "        finally:\n            pass",
         ("tests/test_task.py::test_fine_tuning_resumes_exactly_after_sigterm_without_loading_the_folder_again",),
     ),
+    Mutant(
+        "pretrained_tokenizer_not_compared",
+        "a GPT-2 folder trains on data of another tokenizer: its ids mean other tokens to the model",
+        "dataset.py",
+        'own.read_text(encoding="utf-8") != files["tokenizer"]',
+        "False",
+        ("tests/test_task.py::test_a_gpt2_folder_with_another_tokenizer_than_the_data_is_one_line",),
+    ),
 ]
 
 

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 
 from ddp_utils.data import mix_seed
 from ddp_utils.knobs import ConfigError, knob
+from tokenizer import describe
 
 DEFAULT_DATA_DIR = "data/text"
 
@@ -100,6 +101,13 @@ def build_datasets(cfg):
             raise ConfigError("data_dir", f"{folder} has no {name}: {fix} first")
     files = token_files(folder)
     used = files.pop("vocab_size")
+    own = Path(cfg.init_from) / "tokenizer.json" if cfg.init_from else None
+    if own is not None and own.is_file() and own.read_text(encoding="utf-8") != files["tokenizer"]:
+        raise ConfigError(
+            "init_from",
+            f"{cfg.init_from} has its own tokenizer.json, but {folder} holds tokens of {describe(files['tokenizer'])}: "
+            f"prepare the data with python prepare_data.py --tokenizer {own}",
+        )
     if used > cfg.vocab_size:  # an id the embedding has no row for
         raise ConfigError(
             "vocab_size",

@@ -29,6 +29,7 @@ from config import Config
 from dataset import TokenWindows
 from ddp_utils import metrics
 from ddp_utils.contract import load_task
+from ddp_utils.knobs import ConfigError
 from model import build_model
 
 pytestmark = pytest.mark.fixed_amp
@@ -267,6 +268,23 @@ def test_a_gpt2_folder_that_does_not_fit_is_one_line(gpt2, tmp_path, capsys):
         stderr = capsys.readouterr().err
         assert stopped.value.code == 2 and stderr.startswith(f"error: {message}"), stderr
         assert len(stderr.strip().splitlines()) == 1
+
+
+def test_a_gpt2_folder_with_another_tokenizer_than_the_data_is_one_line(gpt2, tmp_path):
+    """A folder with its own tokenizer.json and data prepared with another (bytes here): the
+    ids would mean other tokens to the pretrained model. Refused, naming the fix."""
+    from config import parse_config
+    from dataset import build_datasets
+    from tokenizer import train_bpe
+
+    folder = tmp_path / "gpt2"
+    shutil.copytree(gpt2[0], folder)
+    (folder / "tokenizer.json").write_text(train_bpe(["some text to learn from"], GPT2_VOCAB).to_text())
+    cfg = parse_config(["--init_from", str(folder), "--data_dir", str(DATA / "data"),
+                        "--block_size", str(TINY_CONFIG.block_size)])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"has its own tokenizer.json, but .* holds tokens of bytes \(256 ids\): "
+                                          r"prepare the data with python prepare_data.py --tokenizer"):  # fmt: skip
+        build_datasets(cfg)
 
 
 def export(checkpoint, out, *flags):
