@@ -548,6 +548,14 @@ MUTANTS = [
         "False",
         ("tests/test_task.py::test_a_gpt2_folder_with_another_tokenizer_than_the_data_is_one_line",),
     ),
+    Mutant(
+        "inference_loads_a_model_in_training_mode",
+        "sample.py and predict.py run the model in training mode: dropout on, BatchNorm's batch statistics",
+        "ddp_utils/inference.py",
+        "return model.to(device).eval(), cfg, state",
+        "return model.to(device), cfg, state",
+        ("tests/test_inference.py",),
+    ),
 ]
 
 

@@ -141,7 +141,7 @@ GENERATED_TEST_MODULES = sorted(str(p.relative_to(GENERATED_TESTS)) for p in GEN
 GENERATED_TEST_MODULES.remove("cluster/test_kubernetes.py")  # kubernetes=no here: the tabular bake runs it
 # The modules of a few minutes run one by one, to spread over the workers; the short ones
 # together (each run starts Python, torch and the test data afresh).
-SHORT = ["test_config.py", "test_data.py", "test_diagnosis.py", "test_schedule.py"]
+SHORT = ["test_config.py", "test_data.py", "test_diagnosis.py", "test_inference.py", "test_schedule.py"]
 GENERATED_TEST_RUNS = [" ".join(SHORT)] + [m for m in GENERATED_TEST_MODULES if m not in SHORT]
 # These time training against a prediction: dev/test.sh runs them after the others, alone.
 ALONE = {"cluster/test_network.py"}

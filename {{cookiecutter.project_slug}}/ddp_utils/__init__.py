@@ -18,6 +18,7 @@ imports only from the modules listed below it:
     logs.py          rank-aware logging (`rank_zero_only`)
     contract.py      what the loop reads from model.py and dataset.py (the one module that
                      imports them), its defaults, and how a batch of any structure is handled
+    inference.py     a trained model in one process (sample.py, predict.py): device, checkpoint
     knobs.py         how a config field is declared, and the one-line error for a bad value
     schedule.py      the learning rate as a pure function of samples trained
     comm_model.py    what gradients cost to send: the preflight's prediction of a job's step

@@ -8,11 +8,10 @@ one); bytes that do not form valid UTF-8 are printed as the replacement characte
 """
 
 import argparse
-from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
+from ddp_utils.inference import load_trained, pick_device
 from ddp_utils.knobs import InputError, OneLineParser, exit_with_error
 from model import build_model
 from tokenizer import describe, from_text
@@ -58,29 +57,8 @@ def generate(model, tokens, max_new_tokens, block_size, temperature, top_k, voca
 
 def main():
     args = parse_args()
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        exit_with_error("--device cuda, but PyTorch sees no CUDA GPU: use --device cpu")
-    device = torch.device(args.device)
-
-    if Path(args.checkpoint).is_dir():
-        exit_with_error(
-            f"--checkpoint {args.checkpoint} is a sharded checkpoint (--strategy fsdp): "
-            f"python export.py {args.checkpoint} model.pt, then pass --checkpoint model.pt"
-        )
-    try:
-        # weights_only: tensors and plain values only, so a checkpoint cannot run code on load.
-        state = torch.load(args.checkpoint, map_location=device, weights_only=True)
-    except FileNotFoundError:
-        exit_with_error(f"--checkpoint {args.checkpoint} does not exist")
-    except Exception as error:  # anything from a folder to junk bytes; torch's own messages run many lines
-        exit_with_error(
-            f"--checkpoint {args.checkpoint} cannot be read as a PyTorch checkpoint ({type(error).__name__})"
-        )
-    if not isinstance(state, dict) or not {"model", "config"} <= state.keys():
-        exit_with_error(f"--checkpoint {args.checkpoint} has no model and config: not a checkpoint train.py wrote")
-    cfg = SimpleNamespace(**state["config"])
+    device = pick_device(args.device)
+    model, cfg, state = load_trained(args.checkpoint, build_model, device)
     saved = (state.get("data") or {}).get("tokenizer")  # None: a checkpoint from before tokenizers: bytes
     try:
         tokenizer = from_text(saved)
@@ -91,10 +69,6 @@ def main():
             f"--checkpoint {args.checkpoint} has vocab_size {cfg.vocab_size}, but its tokenizer, {describe(saved)}, "
             f"makes ids up to {tokenizer.vocab_size - 1}: it was trained on other token files"
         )
-
-    model = build_model(cfg)
-    model.load_state_dict(state["model"])
-    model.to(device).eval()
     torch.manual_seed(args.seed)
     prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=device)
     tokens = generate(model, prompt, args.max_new_tokens, cfg.block_size, args.temperature, args.top_k,

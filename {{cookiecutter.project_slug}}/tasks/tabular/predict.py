@@ -10,13 +10,12 @@ statistics, which the checkpoint holds (dataset.Table.data_state).
 
 import argparse
 import sys
-from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from dataset import read_table, standardise
+from ddp_utils.inference import load_trained
 from ddp_utils.knobs import InputError, exit_with_error
 from model import build_model
 
@@ -27,24 +26,10 @@ def main(argv=None):
     parser.add_argument("--data_file", required=True, help="a CSV or Parquet table of rows to predict")
     args = parser.parse_args(argv)
 
-    if Path(args.checkpoint).is_dir():
-        exit_with_error(
-            f"checkpoint {args.checkpoint} is sharded (--strategy fsdp): "
-            f"python export.py {args.checkpoint} model.pt, then pass model.pt"
-        )
-    if not Path(args.checkpoint).is_file():
-        exit_with_error(f"checkpoint {args.checkpoint} not found")
-    try:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        cfg = SimpleNamespace(**state["config"])  # every Config field, input_dim and num_classes resolved
-        model = build_model(cfg)
-        model.load_state_dict(state["model"])
-    except Exception as error:  # truncated file, not a checkpoint, another model's weights
-        problem = " ".join(str(error).split())  # load_state_dict's message spans lines
-        exit_with_error(f"checkpoint {args.checkpoint} is unreadable ({type(error).__name__}: {problem})")
+    model, _, state = load_trained(args.checkpoint, build_model, torch.device("cpu"))
     data = state.get("data")
     if not data:
-        exit_with_error(f"checkpoint {args.checkpoint} was not trained on a table (--data_file): no columns to read")
+        exit_with_error(f"--checkpoint {args.checkpoint} was not trained on a table (--data_file): no columns to read")
     try:
         table = read_table(args.data_file, "data_file")
         why = "features must be numbers"
@@ -52,7 +37,6 @@ def main(argv=None):
     except InputError as error:
         exit_with_error(str(error))
 
-    model.eval()
     with torch.no_grad():
         outputs = model(inputs).float()
     if data["target_kind"] == "regression":

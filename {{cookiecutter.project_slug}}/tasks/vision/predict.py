@@ -12,11 +12,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from dataset import class_names, load_image, preprocess
+from ddp_utils.inference import load_trained, pick_device
 from ddp_utils.knobs import ConfigError
 from model import build_model
 
@@ -42,28 +42,8 @@ def main(argv=None):
     parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files (png, jpg, ...)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda if available")
     args = parser.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no GPU available")
-    device = torch.device(args.device)
-
-    if Path(args.checkpoint).is_dir():
-        sys.exit(
-            f"error: checkpoint {args.checkpoint} is sharded (--strategy fsdp): "
-            f"python export.py {args.checkpoint} model.pt, then pass model.pt"
-        )
-    if not Path(args.checkpoint).is_file():
-        sys.exit(f"error: checkpoint {args.checkpoint} not found")
-    try:
-        state = torch.load(args.checkpoint, map_location=device, weights_only=True)
-        cfg = SimpleNamespace(**state["config"])  # every Config field, num_classes resolved
-        model = build_model(cfg)
-        model.load_state_dict(state["model"])
-    except Exception as error:  # truncated file, not a checkpoint, another model's weights
-        problem = " ".join(str(error).split())  # load_state_dict's message spans lines
-        sys.exit(f"error: checkpoint {args.checkpoint} is unreadable ({type(error).__name__}: {problem})")
-    model.to(device).eval()
+    device = pick_device(args.device)
+    model, cfg, state = load_trained(args.checkpoint, build_model, device)
     names = label_names(state, cfg)
 
     failed = False
