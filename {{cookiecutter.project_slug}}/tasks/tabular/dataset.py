@@ -222,6 +222,10 @@ class TableFile:
             raise self.error(f"no column {name!r} (columns: {', '.join(self.columns)})")
         return self.columns[name]
 
+    def features(self, names, why):
+        """Columns `names` side by side as float64 [rows, columns]; `why` explains a bad value."""
+        return np.stack([self.numbers(name, why) for name in names], axis=1)
+
     def numbers(self, name, why):
         """Column `name` as float64, or an error naming the column and its first bad row."""
         values = self.column(name)
@@ -405,8 +409,8 @@ def table_datasets(cfg):
 
 def table_arrays(table, columns, cfg):
     """(features [rows, columns] float64, targets: label texts or float64 numbers) of a table."""
-    why = "features must be numbers: fill in or drop the value, or list the column in --ignore_columns"
-    inputs = np.stack([table.numbers(name, why) for name in columns], axis=1)
+    inputs = table.features(columns, "features must be numbers: fill in or drop the value, or list the column in "
+                                     "--ignore_columns")  # fmt: skip
     if cfg.target_kind == "classes":
         return inputs, table.labels(cfg.target)
     return inputs, table.numbers(cfg.target, "a regression target must be a number (else --target_kind classes)")

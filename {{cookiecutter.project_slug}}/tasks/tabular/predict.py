@@ -11,7 +11,6 @@ statistics, which the checkpoint holds (dataset.Table.data_state).
 import argparse
 import sys
 
-import numpy as np
 import torch
 
 from dataset import read_table, standardise
@@ -32,8 +31,7 @@ def main(argv=None):
         exit_with_error(f"--checkpoint {args.checkpoint} was not trained on a table (--data_file): no columns to read")
     try:
         table = read_table(args.data_file, "data_file")
-        why = "features must be numbers"
-        inputs = standardise(np.stack([table.numbers(name, why) for name in data["features"]], axis=1), data)
+        inputs = standardise(table.features(data["features"], "features must be numbers"), data)
     except InputError as error:
         exit_with_error(str(error))
 
