@@ -115,7 +115,14 @@ def main():
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--tiny", action="store_true", help="one round on 256 samples, to check the script works")
     parser.add_argument("--markdown", type=Path, help="also write the report to this file")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=N",
+                        help="another job size, e.g. --set n_layer=2 (a key of the task's JOBS entry)")  # fmt: skip
     args = parser.parse_args()
+    for setting in args.set:
+        name, _, value = setting.partition("=")
+        if name not in JOBS[args.task] or not value.isdigit():
+            parser.error(f"--set {setting}: NAME=N with NAME one of {', '.join(JOBS[args.task])}")
+        JOBS[args.task][name] = int(value)
     args.samples = args.samples or {"tabular": 16384, "language": 4096}[args.task]
     args.epochs = args.epochs or {"tabular": 2, "language": 1}[args.task]
     if args.tiny:
@@ -151,8 +158,12 @@ def main():
     software = f"Python {platform.python_version()}, torch {torch.__version__}"
     job = {
         "tabular": f"MLP 256->1024->1024->10, {args.samples} samples, batch 64 per rank",
-        "language": f"GPT 4 layers x 128 wide, 4 heads, byte tokens, {args.samples} windows of 128 tokens, batch 16 per "
-        "rank (2048 tokens)",
+        "language": "GPT {n_layer} layers x {n_embd} wide, {n_head} heads, byte tokens, {samples} windows of "
+        "{block_size} tokens, batch {batch_size} per rank ({tokens} tokens)".format(
+            **JOBS["language"],
+            samples=args.samples,
+            tokens=JOBS["language"]["block_size"] * JOBS["language"]["batch_size"],
+        ),
     }[args.task] + ", 2 ranks (gloo, OMP_NUM_THREADS=1)"
     lines = [
         f"- Machine: {machine}; {software}; {datetime.date.today()}",

@@ -380,14 +380,15 @@ def build_optimizer(model, cfg, device):
     """AdamW over the model's parameters as the strategy left them (FSDP's are the local shards),
     in two groups: weight decay on matrices, convolution kernels and embeddings (2 or more
     dimensions) only; biases and normalisation weights never decay, as in nanoGPT and
-    torchtitan (decaying a LayerNorm gain towards 0 fights what it is there for). On CUDA the
-    fused implementation: one kernel for all parameters (FSDP2's DTensors included)."""
+    torchtitan (decaying a LayerNorm gain towards 0 fights what it is there for). The fused
+    implementation, one kernel for all parameters (FSDP2's DTensors included), on GPUs and on
+    the CPU too, where torch would otherwise loop over the parameters in Python (BENCHMARKS.md)."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.lr, fused=device.type in ("cuda", "cpu"))
 
 
 def register_comm_hook(model, name):

@@ -322,8 +322,11 @@ def single_param_group():
     """The optimizer of earlier versions: AdamW with one group, weight decay on every parameter
     (checkpoints written this way must still resume)."""
 
+    original = train.build_optimizer
+
     def build_optimizer(model, cfg, device):
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        fused = original(model, cfg, device).defaults["fused"]  # this version's implementation: only the groups differ
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
     train.build_optimizer = build_optimizer
 
