@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .faults import CheckpointError, TrainingError
+from .knobs import ERROR_WAIT_SECONDS
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,10 @@ class DeviceError(RuntimeError):
         """`error: <node>: <problem>` on stderr, from the node's first process: each node finds
         this alone (a broken driver may be on one node only)."""
         if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
-            print(f"error: {socket.gethostname()}: {self}", file=sys.stderr)
+            print(f"error: {socket.gethostname()}: {self}", file=sys.stderr, flush=True)
+        else:  # until the node's first process has reported it (knobs.print_error says why)
+            time.sleep(ERROR_WAIT_SECONDS)
+            print(f"error: {socket.gethostname()}: {self}", file=sys.stderr, flush=True)
 
 
 # Values of CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES that ask for no GPU (SLURM writes

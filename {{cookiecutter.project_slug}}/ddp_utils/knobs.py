@@ -7,6 +7,7 @@ task's scripts parse their flags with `OneLineParser` too.
 import argparse
 import os
 import sys
+import time
 from dataclasses import field
 
 
@@ -44,6 +45,17 @@ def exit_with_error(message):
 
 def print_error(message):
     """`error: <message>` on stderr, from the first process only: the one format of every bad
-    setting or data (exit status 2)."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(f"error: {message}", file=sys.stderr)
+    setting or data (exit status 2). The other processes find the same problem and wait here
+    for the first to report it: had one of them exited first, torchrun would stop the first
+    process, maybe before it printed (seen under load: no error line at all). torchrun stops
+    them as soon as the first exits; one still running after ERROR_WAIT_SECONDS found a
+    problem the first did not (data missing on its node only) and reports it itself."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    if rank == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(ERROR_WAIT_SECONDS)
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
+ERROR_WAIT_SECONDS = 30

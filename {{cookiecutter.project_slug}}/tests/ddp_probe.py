@@ -455,12 +455,18 @@ class WithBadSamples(Wrapped):
         return WithBadSamples(self.data, self.bad, [k for i, k in enumerate(self.keep) if i not in dropped])
 
 
+def late_rank0():
+    """Rank 0 starts 3 s after the others (a loaded machine): they reach any error first."""
+    if RANK == 0:
+        time.sleep(3)
+
+
 PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write, record_initial_weights)
-    + (single_param_group, record_staging, record_mesh, children_after_close, float64, bad_samples)
+    + (single_param_group, record_staging, record_mesh, children_after_close, float64, bad_samples, late_rank0)
 }
 
 if __name__ == "__main__":

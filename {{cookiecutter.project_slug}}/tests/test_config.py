@@ -89,7 +89,9 @@ def test_bad_values_are_refused_by_config_itself(values, field):
 
 
 def test_bad_value_under_torchrun_is_reported_once(tmp_path):
-    result = run_training(tmp_path, "--batch_size", "0", nproc=2, check=False)
+    """Even when rank 0 gets there last: the other ranks wait for it to report the problem
+    (exiting first, they would have torchrun stop rank 0 before it printed anything)."""
+    result = run_training(tmp_path, "--batch_size", "0", nproc=2, probe="late_rank0", check=False)
     assert result.returncode != 0
     assert result.stderr.count("--batch_size must be at least 1") == 1, result.stderr
     assert 'train.py", line' not in result.stderr  # torchrun's own summary may follow, no rank's traceback
