@@ -560,8 +560,8 @@ MUTANTS = [
         "other_ranks_exit_before_rank0_reports",
         "a bad setting under torchrun: the other ranks exit at once and torchrun stops rank 0 before it prints",
         "ddp_utils/knobs.py",
-        "        time.sleep(ERROR_WAIT_SECONDS)\n",
-        "        sys.exit(2)\n",
+        "    if not first:\n        time.sleep(ERROR_WAIT_SECONDS)\n",
+        "    if not first:\n        sys.exit(2)\n",
         ("tests/test_config.py::test_bad_value_under_torchrun_is_reported_once",),
     ),
 ]

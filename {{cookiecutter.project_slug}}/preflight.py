@@ -47,8 +47,9 @@ from ddp_utils.comm_model import (
     verdict,
 )
 from ddp_utils.dist import choose_device, cleanup_distributed, process_env, processes_per_node, setup_distributed
+from ddp_utils.inputs import check_inputs
 from ddp_utils.knobs import InputError
-from train import Trainer, check_inputs
+from train import Trainer
 
 SIZES_MB = (1, 4, 16, 64, 256)
 # Sizes past one all-reduce this long are not measured: on a slow link 256 MB takes minutes,

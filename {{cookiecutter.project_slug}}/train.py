@@ -23,11 +23,12 @@ import torch.distributed as dist
 
 from config import parse_config, write_resolved_config
 from ddp_utils.checkpoint import Checkpointer, resume_position
-from ddp_utils.contract import batch_size, data_state, load_task, model_inputs, to_device
-from ddp_utils.data import build_datasets, build_loaders, global_batch_size, mix_seed, seed_everything, start_epoch
+from ddp_utils.contract import batch_size, data_state, model_inputs, to_device
+from ddp_utils.data import build_loaders, global_batch_size, mix_seed, seed_everything, start_epoch
 from ddp_utils.dist import Agreement, DeviceError, agree, cleanup_distributed, set_tf32, setup_distributed
 from ddp_utils.evaluation import Sampler, Validator
 from ddp_utils.faults import ExitPath, Preempted, StepChecks, StopRequest, Watchdog, write_stop_status
+from ddp_utils.inputs import check_inputs
 from ddp_utils.knobs import InputError, print_error
 from ddp_utils.logs import rank_zero_only, report, setup_logging, warn_main
 from ddp_utils.metrics import Meter, Reporter, build_throughput
@@ -41,7 +42,6 @@ from ddp_utils.strategy import (
     model_state_bytes,
     unused_parameters_named,
 )
-from ddp_utils.trackers import missing_package
 
 
 class Trainer:
@@ -329,20 +329,6 @@ class Trainer:
         # Left to the garbage collector at exit, their queues may be gone first, and each
         # worker would be waited for in vain, 5 s apiece.
         self.train_loader = self.val_loader = self.validator = None
-
-
-def check_inputs(cfg, ctx):
-    """The task, its datasets (read, split, scanned for bad samples) and notes about them, once
-    the data and the trackers' packages are known to be usable; else an InputError on every
-    rank, before anything is written."""
-    task = load_task()  # model.py's and dataset.py's functions (ddp_utils/contract.py)
-    datasets, notes = build_datasets(task, cfg, ctx)
-    if cfg.sample_every_steps and task.sample_text is None:
-        raise InputError("--sample_every_steps: this task's model.py has no sample_text(model, cfg)")
-    # Only rank 0 imports the trackers' packages; a missing one stops every rank at once.
-    missing = rank_zero_only(missing_package)(cfg.trackers)
-    agree(ctx, "trackers_installed", missing, cfg.timeout_seconds, InputError)
-    return task, datasets, notes
 
 
 def run(cfg, ctx):

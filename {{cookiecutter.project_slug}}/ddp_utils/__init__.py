@@ -5,6 +5,7 @@ train.py and the scripts); this package never imports them, except model.py and 
 through contract.py (the task contract). Each module has one job, on one floor; a module
 imports only from the modules listed below it:
 
+    inputs.py        what must hold before a run writes anything: data, trackers (check_inputs)
     checkpoint.py    the Checkpointer: choose, load, save, the resume position, random generators
     evaluation.py    the Validator: the task's metrics over the whole validation set
     metrics.py       the Meter and Reporter: metrics.jsonl, progress bar, step timing, loss lines, MFU

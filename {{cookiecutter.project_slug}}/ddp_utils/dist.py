@@ -14,8 +14,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .faults import CheckpointError, TrainingError
-from .knobs import ERROR_WAIT_SECONDS
+from .knobs import print_from_first
 
 
 @dataclass(frozen=True)
@@ -69,11 +67,8 @@ class DeviceError(RuntimeError):
     def report(self):
         """`error: <node>: <problem>` on stderr, from the node's first process: each node finds
         this alone (a broken driver may be on one node only)."""
-        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
-            print(f"error: {socket.gethostname()}: {self}", file=sys.stderr, flush=True)
-        else:  # until the node's first process has reported it (knobs.print_error says why)
-            time.sleep(ERROR_WAIT_SECONDS)
-            print(f"error: {socket.gethostname()}: {self}", file=sys.stderr, flush=True)
+        line = f"error: {socket.gethostname()}: {self}"
+        print_from_first(line, os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0", line)
 
 
 # Values of CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES that ask for no GPU (SLURM writes

@@ -51,11 +51,15 @@ def print_error(message):
     them as soon as the first exits; one still running after ERROR_WAIT_SECONDS found a
     problem the first did not (data missing on its node only) and reports it itself."""
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    if rank == "0":
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:
+    print_from_first(f"error: {message}", rank == "0", f"error: rank {rank}: {message}")
+
+
+def print_from_first(line, first, late_line):
+    """`line` on stderr from the first process; the others wait ERROR_WAIT_SECONDS (torchrun
+    stops them sooner, once the first has exited) and print `late_line` if still running."""
+    if not first:
         time.sleep(ERROR_WAIT_SECONDS)
-        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    print(line if first else late_line, file=sys.stderr, flush=True)
 
 
 ERROR_WAIT_SECONDS = 30
