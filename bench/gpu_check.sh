@@ -30,6 +30,9 @@
 #  12. --compile true --activation_checkpointing true under ddp and under fsdp: they run, and
 #      their tokens/s.
 #  13. The preflight names the network NCCL chose (NCCL_DEBUG=INFO's "Using network" line).
+#  14. Where a bf16 step of the GPT of check 10 goes (bench/breakdown.py's parts, from a trace of
+#      steps 21-40 through bench/profiled.py) and the share of those steps the GPU is idle;
+#      the table prints after the checks.
 #
 #   bash bench/gpu_check.sh                 # renders the template (needs cookiecutter)
 #   bash bench/gpu_check.sh PROJECT_DIR     # an already generated project
@@ -404,5 +407,17 @@ if [[ -n $network ]]; then
     check "preflight: the network NCCL chose" "ok ($network)"
 else
     check "preflight: the network NCCL chose" "no line: $(tail -n 2 "$runs/preflight_net.log" | tr '\n' ' ')"
+fi
+
+# --- 14. where a bf16 step goes, and the GPU's idle share --------------------------------------
+if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 "$here/profiled.py" train.py \
+    "${GPT[@]}" --max_steps 45 --eval_every_steps 0 --profile_steps 21:40 --output_dir "$runs/breakdown" \
+    >"$runs/breakdown.log" 2>&1) &&
+    "$python" "$here/breakdown.py" --trace "$runs/breakdown/profile/trace_steps_21-40.json" >"$runs/breakdown.md" 2>&1; then
+    check "step breakdown, GPT 12x768 bf16, steps 21-40" "ok ($(grep -o 'GPU idle share | [0-9.]*%' "$runs/breakdown.md"))"
+    echo
+    cat "$runs/breakdown.md"
+else
+    check "step breakdown, GPT 12x768 bf16, steps 21-40" "$(tail -n 3 "$runs/breakdown.log" "$runs/breakdown.md" 2>/dev/null | tr '\n' ' ')"
 fi
 exit $failed

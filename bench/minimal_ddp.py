@@ -7,6 +7,7 @@ AMP, clipping or schedule). Run under torchrun from the generated project's fold
 """
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -57,4 +58,9 @@ loop_seconds, cpu_seconds = time.perf_counter() - started, time.process_time() -
 if rank == 0:
     world = dist.get_world_size()
     print("BENCH " + json.dumps({"loop_s": loop_seconds, "cpu_s": cpu_seconds, "samples": samples * world}), flush=True)
+# DDP's reducer sits in reference cycles that keep the group alive past destroy_process_group;
+# freed at interpreter exit, gloo's threads then abort the process now and then ("terminate
+# called without an active exception": half the runs with bucket views). Collected first, as the
+# generated project's cleanup_distributed does.
+gc.collect()
 dist.destroy_process_group()

@@ -33,6 +33,18 @@ BENCH = Path(__file__).resolve().parent
 TEMPLATE = BENCH.parent
 
 
+def bake(task, work):
+    """The generated project of `task` in `work`, and the flags that point it at its data (for
+    the language task, 2 MB of the standard library's source, byte tokens)."""
+    project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work), extra_context={"task": task}))
+    if task != "language":
+        return project, []
+    data = work / "text"
+    prepare = [sys.executable, "prepare_data.py", "--output_dir", str(data), "--max_bytes", "2000000"]
+    subprocess.run(prepare, cwd=project, check=True, capture_output=True)
+    return project, ["--data_dir", str(data)]
+
+
 def run_job(command, cwd, first_step_marker, env=None):
     """Run one torchrun job; time to the first step from the marker line's arrival."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -115,6 +127,9 @@ def main():
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--tiny", action="store_true", help="one round on 256 samples, to check the script works")
     parser.add_argument("--markdown", type=Path, help="also write the report to this file")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="language: also the floor with the generated loop's fused AdamW and DDP bucket views, "
+                             "the most a loop with no work of its own could reach")  # fmt: skip
     parser.add_argument("--set", action="append", default=[], metavar="NAME=N",
                         help="another job size, e.g. --set n_layer=2 (a key of the task's JOBS entry)")  # fmt: skip
     args = parser.parse_args()
@@ -129,14 +144,12 @@ def main():
         args.rounds, args.samples, args.epochs = 1, 256, 1
 
     work = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
-    project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work), extra_context={"task": args.task}))
-    args.data_flags = []
-    if args.task == "language":  # 2 MB of the standard library's source, byte tokens
-        data = work / "text"
-        prepare = [sys.executable, "prepare_data.py", "--output_dir", str(data), "--max_bytes", "2000000"]
-        subprocess.run(prepare, cwd=project, check=True, capture_output=True)
-        args.data_flags = ["--data_dir", str(data)]
+    project, args.data_flags = bake(args.task, work)
     candidates = {"generated train.py": lambda r: run_generated(project, args, work / f"run{r}")}
+    if args.ceiling:  # the floor with fused AdamW and bucket views: what a loop of no cost would reach
+        candidates["floor + fused AdamW + bucket views"] = lambda r: run_floor(
+            project, args, None, "--fused_adamw", "--bucket_views"
+        )
     if args.task == "tabular" and importlib.util.find_spec("lightning"):  # not a dependency: compared where installed
         candidates["Lightning Fabric"] = lambda r: run_floor(project, args, "lightning_job.py", "fabric")
         candidates["Lightning Trainer (defaults)"] = lambda r: run_floor(project, args, "lightning_job.py", "trainer")

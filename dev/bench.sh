@@ -3,7 +3,9 @@
 # --fsdp its two strategies against each other (see bench/fsdp.py), or with --network the
 # step time of two hosts against one over limited links (see bench/network.py; needs root;
 # --network --strategies: ddp, fsdp and hsdp on 2 hosts x 2 processes over the link), or with
-# --tabular-noise the tabular task's noise draw (see bench/tabular_noise.py).
+# --tabular-noise the tabular task's noise draw (see bench/tabular_noise.py), or with
+# --breakdown where a step's time goes, the generated loop beside the minimal one (see
+# bench/breakdown.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
@@ -14,6 +16,10 @@ fi
 if [[ ${1:-} == --network ]]; then
     shift
     exec .venv/bin/python bench/network.py "$@"
+fi
+if [[ ${1:-} == --breakdown ]]; then
+    shift
+    exec .venv/bin/python bench/breakdown.py "$@"
 fi
 if [[ ${1:-} == --tabular-noise ]]; then
     shift

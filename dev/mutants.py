@@ -64,7 +64,7 @@ MUTANTS = [
         "loss_not_divided_by_accumulation",
         "accumulated gradients are grad_accum_steps times too large",
         "train.py",
-        "self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()",
+        "self.scaler.scale(loss / accum if accum > 1 else loss).backward()",
         "self.scaler.scale(loss).backward()",
         (f"{CORRECTNESS}::test_world_size_and_accumulation_give_the_same_gradients",),
     ),
@@ -133,7 +133,7 @@ MUTANTS = [
         "train.py",
         "        return self.checks.decide(agreement.result(), step, self.epoch)\n",
         "        agreed = agreement.result()\n"
-        "        agreed[1] = not torch.isfinite(self.loss_totals[0])  # this rank's loss only\n"
+        "        agreed[1] = self.loss_sum.item()  # this rank's loss only\n"
         "        return self.checks.decide(agreed, step, self.epoch)\n",
         (f"{CORRECTNESS}::test_non_finite_loss_on_one_rank_stops_every_rank",),
     ),
@@ -173,12 +173,8 @@ MUTANTS = [
         "warmup_off_by_one",
         "the lr is computed before the step's samples are counted (step 1 at lr 0)",
         "train.py",
-        "        self.samples_seen += self.global_batch\n"
-        "        for group in self.optimizer.param_groups:\n"
-        '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan)\n',
-        "        for group in self.optimizer.param_groups:\n"
-        '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan)\n'
-        "        self.samples_seen += self.global_batch\n",
+        "        self.samples_seen += self.global_batch\n        lr = lr_at(self.samples_seen, cfg, self.plan)\n",
+        "        lr = lr_at(self.samples_seen, cfg, self.plan)\n        self.samples_seen += self.global_batch\n",
         ("tests/test_train.py::test_the_trainer_follows_the_schedule_from_the_first_step",),
     ),
     # Issue 10: fp16, elastic resizing, checkpoint waits.
@@ -202,8 +198,8 @@ MUTANTS = [
         "lr_on_steps",
         "the schedule runs on steps at the current global batch",
         "train.py",
-        '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan)\n',
-        '            group["lr"] = lr_at(self.step * self.global_batch + self.global_batch, cfg, self.plan)\n',
+        "        lr = lr_at(self.samples_seen, cfg, self.plan)\n",
+        "        lr = lr_at(self.step * self.global_batch + self.global_batch, cfg, self.plan)\n",
         (f"{RESILIENCE}::test_the_learning_rate_stays_on_course_when_the_world_size_changes",),
     ),
     Mutant(
@@ -234,12 +230,44 @@ MUTANTS = [
         "fsdp_clip_per_shard",
         "fsdp: each rank clips its gradient shards by their own norm",
         "ddp_utils/strategy.py",
-        "        return torch.nn.utils.clip_grad_norm_(parameters, max_norm).full_tensor()\n",
+        "        return clip_grad_norm(parameters, max_norm).full_tensor()\n",
         "        shards = [p.grad.to_local() for p in parameters]\n"
         "        norm = torch.nn.utils.get_total_norm(shards)\n"
         "        torch.nn.utils.clip_grads_with_norm_(shards, max_norm, norm)\n"
         "        return norm\n",
         (f"{FSDP}::test_fsdp_trains_the_same_parameters_as_ddp",),
+    ),
+    Mutant(
+        "ddp_clip_measures_only",
+        "ddp: the gradients' norm is measured but never scaled down to --max_grad_norm",
+        "ddp_utils/optim.py",
+        "    if max_norm != math.inf:\n",
+        "    if max_norm == math.inf:\n",
+        (f"{CORRECTNESS}::test_clipping_sees_the_true_gradient_norm",),
+    ),
+    Mutant(
+        "agreement_drops_tensor_values",
+        "on the CPU the step agreement sends its Python flags only: the loss and norm values are left out",
+        "ddp_utils/dist.py",
+        "[float(value) for value in values]",
+        "[0.0 if isinstance(value, torch.Tensor) else float(value) for value in values]",
+        (f"{CORRECTNESS}::test_non_finite_loss_on_one_rank_stops_every_rank",),
+    ),
+    Mutant(
+        "doctor_misses_unused_parameters",
+        "doctor.py reports every parameter as used",
+        "doctor.py",
+        "    unused = [name for name, p in named if p.grad is None]\n",
+        "    unused = []\n",
+        ("tests/test_doctor.py::test_each_fault_is_named",),
+    ),
+    Mutant(
+        "doctor_plans_fsdp_unsharded",
+        "doctor.py's memory plan gives fsdp the whole model state on every GPU",
+        "doctor.py",
+        '("fsdp", world_size)',
+        '("fsdp", 1)',
+        (f"{FSDP}::test_the_doctor_plans_the_model_state_each_process_held",),
     ),
     Mutant(
         "init_from_the_global_rng",
@@ -319,7 +347,7 @@ MUTANTS = [
     Mutant(
         "weight_decay_ignored",
         "--weight_decay silently ignored (AdamW built with 0)",
-        "ddp_utils/strategy.py",
+        "ddp_utils/optim.py",
         '"weight_decay": cfg.weight_decay}',
         '"weight_decay": 0.0}',
         ("tests/test_train.py::test_weight_decay_shrinks_matrices_and_never_biases_or_norms",),
@@ -327,7 +355,7 @@ MUTANTS = [
     Mutant(
         "weight_decay_on_norms_and_biases",
         "one weight decay for every parameter, LayerNorm gains and biases included",
-        "ddp_utils/strategy.py",
+        "ddp_utils/optim.py",
         '{"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0}',
         '{"params": [p for p in parameters if p.dim() < 2], "weight_decay": cfg.weight_decay}',
         ("tests/test_train.py::test_weight_decay_shrinks_matrices_and_never_biases_or_norms",),

@@ -141,7 +141,14 @@ GENERATED_TEST_MODULES = sorted(str(p.relative_to(GENERATED_TESTS)) for p in GEN
 GENERATED_TEST_MODULES.remove("cluster/test_kubernetes.py")  # kubernetes=no here: the tabular bake runs it
 # The modules of a few minutes run one by one, to spread over the workers; the short ones
 # together (each run starts Python, torch and the test data afresh).
-SHORT = ["test_config.py", "test_data.py", "test_diagnosis.py", "test_inference.py", "test_schedule.py"]
+SHORT = [
+    "test_config.py",
+    "test_data.py",
+    "test_diagnosis.py",
+    "test_doctor.py",
+    "test_inference.py",
+    "test_schedule.py",
+]
 GENERATED_TEST_RUNS = [" ".join(SHORT)] + [m for m in GENERATED_TEST_MODULES if m not in SHORT]
 # These time training against a prediction: dev/test.sh runs them after the others, alone.
 ALONE = {"cluster/test_network.py"}
@@ -166,6 +173,7 @@ def test_default_project_suite(default_project, modules):
 # has none) and adds the dataset's pickling and its epoch in shared memory.
 TASK_TESTS = [
     "tests/test_task.py",
+    "tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",
     "tests/test_experiments.py::test_example_experiments_are_valid_configs",
     "tests/test_correctness.py::test_world_size_and_accumulation_give_the_same_parameters",
     "tests/test_preemption.py::test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact[2]",

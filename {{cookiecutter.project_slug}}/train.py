@@ -32,11 +32,11 @@ from ddp_utils.inputs import check_inputs
 from ddp_utils.knobs import InputError, print_error
 from ddp_utils.logs import rank_zero_only, report, setup_logging, warn_main
 from ddp_utils.metrics import Meter, Reporter, build_throughput
+from ddp_utils.optim import build_optimizer
 from ddp_utils.profiling import StepProfiler
 from ddp_utils.schedule import Plan, lr_at
 from ddp_utils.strategy import (
     AMP_DTYPES,
-    build_optimizer,
     build_strategy,
     load_full_weights,
     model_state_bytes,
@@ -71,6 +71,7 @@ class Trainer:
         seed_everything(cfg.seed)
         self.strategy = build_strategy(cfg, ctx, self.task.build_model)
         self.model = self.strategy.model
+        self.parameters = list(self.model.parameters())  # listed once: the module tree is not walked per step
         seed_everything(mix_seed(cfg.seed, ctx.rank))
         self.optimizer = build_optimizer(self.model, cfg, ctx.device)
         self.amp_dtype = AMP_DTYPES[cfg.amp]
@@ -85,6 +86,7 @@ class Trainer:
         self.samples_seen = 0  # samples trained in the whole run, all ranks: the schedule's clock
         self.batches_done = 0  # micro-batches done by each rank in the current epoch
         self.loss_totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # sum, count
+        self.loss_sum, self.loss_count = self.loss_totals.unbind()  # views: one in-place op each a step
         self.pending = None  # (step, Agreement) of the last optimizer step, read one step later
         self.resumed = False  # from a checkpoint
         self.last_evaluated = None  # the step of the last metrics line
@@ -233,11 +235,12 @@ class Trainer:
                 with unused_parameters_named():  # DDP's long error, as the knob that fixes it
                     output = self.forward_model(model_inputs(batch))
                 loss = self.task.loss_fn(output, batch)
-            self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
+            accum = self.cfg.grad_accum_steps
+            self.scaler.scale(loss / accum if accum > 1 else loss).backward()
         loss = loss.detach()
         samples = batch_size(batch)
-        self.loss_totals[0] += loss.double() * samples
-        self.loss_totals[1] += samples
+        self.loss_sum.add_(loss, alpha=samples)
+        self.loss_count.add_(samples)
         return loss
 
     def optimizer_step(self):
@@ -254,13 +257,14 @@ class Trainer:
         norm = None
         if cfg.max_grad_norm > 0 or fp16 or self.meter.log_due(self.step + 1):  # a log step reports the norm
             self.scaler.unscale_(self.optimizer)  # the true gradients: to clip, and to see fp16 overflow
-            parameters = [p for p in self.model.parameters() if p.grad is not None]
+            parameters = [p for p in self.parameters if p.grad is not None]
             # With clipping off, an infinite limit leaves the gradients as they are and still
             # measures their global norm (over every shard under FSDP).
             norm = self.strategy.clip_gradients(parameters, cfg.max_grad_norm or math.inf)
         self.samples_seen += self.global_batch
+        lr = lr_at(self.samples_seen, cfg, self.plan)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.samples_seen, cfg, self.plan)
+            group["lr"] = lr
         scale = self.scaler.get_scale() if fp16 else None  # fp16 syncs anyway: GradScaler.step reads found_inf
         self.scaler.step(self.optimizer)  # fp16: skipped when the gradients overflowed
         self.scaler.update()
@@ -268,7 +272,7 @@ class Trainer:
         self.step += 1
         self.step_norm_and_scale = (norm, scale)
         new_scale = self.scaler.get_scale() if fp16 else None
-        flags = self.checks.flags(self.stop.requested, self.loss_totals[0], norm, scale, new_scale)
+        flags = self.checks.flags(self.stop.requested, self.loss_sum, norm, scale, new_scale)
         previous, self.pending = self.pending, (self.step, Agreement(flags, self.ctx.device))
         return self._act_on(previous)
 

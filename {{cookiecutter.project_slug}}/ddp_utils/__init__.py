@@ -9,7 +9,7 @@ imports only from the modules listed below it:
     checkpoint.py    the Checkpointer: choose, load, save, the resume position, random generators
     evaluation.py    the Validator: the task's metrics over the whole validation set
     metrics.py       the Meter and Reporter: metrics.jsonl, progress bar, step timing, loss lines, MFU
-    strategy.py      --strategy ddp or fsdp: building, wrapping and sharding the model, the optimizer
+    strategy.py      --strategy ddp or fsdp: building, wrapping and sharding the model
     profiling.py     --profile_steps
     trackers.py      TensorBoard, W&B, MLflow (--tracker)
     checkpoint_files.py  the checkpoint formats on disk: atomic single files, DCP folders
@@ -22,6 +22,7 @@ imports only from the modules listed below it:
     inference.py     a trained model in one process (sample.py, predict.py): device, checkpoint
     knobs.py         how a config field is declared, and the one-line error for a bad value
     schedule.py      the learning rate as a pure function of samples trained
+    optim.py         the optimizer (AdamW, fused) and gradient clipping
     comm_model.py    what gradients cost to send: the preflight's prediction of a job's step
 
 Rules the package keeps for the rest of the project:

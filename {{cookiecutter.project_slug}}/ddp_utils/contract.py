@@ -94,6 +94,8 @@ def build_on_meta(build_model, cfg):
 
 def to_device(batch, device):
     """The batch with every tensor on `device` (pinned memory copies asynchronously)."""
+    if type(batch) in (tuple, list) and all(isinstance(item, torch.Tensor) for item in batch):
+        return type(batch)(item.to(device, non_blocking=True) for item in batch)  # the common case, no pytree walk
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
 
 
@@ -108,6 +110,8 @@ def model_inputs(batch):
 
 def batch_size(batch):
     """Samples in a batch: the first dimension of its first tensor."""
+    if type(batch) in (tuple, list) and isinstance(batch[0], torch.Tensor):
+        return len(batch[0])
     leaves = torch.utils._pytree.tree_leaves(batch)
     return next(len(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor))
 

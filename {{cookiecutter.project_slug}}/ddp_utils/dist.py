@@ -3,7 +3,7 @@ each other.
 
 - `setup_distributed` joins the group torchrun (or srun) describes, or forms a group of one, so
   `python train.py` runs the same code path as many processes; `cleanup_distributed` ends it.
-- `Agreement` ORs flags over every rank in one all-reduce the host does not wait for.
+- `Agreement` sums flags and values over every rank in one all-reduce the host does not wait for.
 - `store_barrier` and `share_from_main` wait through the key-value store, for waits that the
   collective timeout must not bound (a large checkpoint on a slow file system).
 """
@@ -276,22 +276,26 @@ class HostCopy:
 
 
 class Agreement:
-    """Flags OR-ed across all ranks by one all-reduce that runs while the host goes on.
+    """Values summed over all ranks by one all-reduce that runs while the host goes on.
 
-    `result()` gives the agreed values; the training loop reads them one optimizer step after
-    starting the all-reduce, so it never waits for the device (train.py, optimizer_step).
+    A flag (0 or 1) summed is the number of ranks that raised it; a tensor's value summed is
+    finite only if it is finite on every rank (NaN and inf survive a sum), so neither needs an
+    operation of its own before the all-reduce. `result()` gives the sums; the training loop
+    reads them one optimizer step after starting the all-reduce, so it never waits for the
+    device (train.py, optimizer_step).
     """
 
-    def __init__(self, flags, device):
-        # Built on the device: a tensor made from a Python value on CUDA would be a blocking
-        # copy, torch.full is a kernel launch.
-        values = torch.stack([to_flag(flag, device) for flag in flags])
-        work = dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True)
+    def __init__(self, values, device):
+        if device.type == "cpu":  # reading a CPU tensor costs nothing: one tensor from the values
+            summed = torch.tensor([float(value) for value in values], dtype=torch.float64)
+        else:  # on the device: a tensor made from a Python value would be a blocking copy
+            summed = torch.stack([on_device(value, device) for value in values])
+        work = dist.all_reduce(summed, async_op=True)
         if device.type == "cuda":
             work.wait()  # orders the copy after the all-reduce on the GPU; the host goes on
-            self.work, self.copy = None, HostCopy(values)
+            self.work, self.copy = None, HostCopy(summed)
         else:
-            self.work, self.copy = work, HostCopy(values)
+            self.work, self.copy = work, HostCopy(summed)
 
     def wait(self):
         """Until the all-reduce is done on the host's side (no collective left in flight)."""
@@ -300,18 +304,18 @@ class Agreement:
 
     def result(self):
         self.wait()
-        return [bool(v) for v in self.copy.tolist()]
+        return self.copy.tolist()
 
 
-def to_flag(flag, device):
-    if isinstance(flag, torch.Tensor):
-        return flag.to(device=device, dtype=torch.float32).reshape(())
-    return torch.full((), float(flag), device=device)
+def on_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float64).reshape(())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def any_rank(*flags, device):
     """True for each flag that is true on at least one rank: one all-reduce for all flags, waited for."""
-    return Agreement(flags, device).result()
+    return [total > 0 for total in Agreement(flags, device).result()]
 
 
 _barrier_uses = collections.Counter()  # per name: each use waits for its own arrivals

@@ -10,6 +10,7 @@ logged first, on its rank, and the process exits without waiting for a peer (`ex
 import contextlib
 import faulthandler
 import logging
+import math
 import os
 import re
 import signal
@@ -17,8 +18,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-
-import torch
 
 from .logs import log, report
 
@@ -151,25 +150,26 @@ class StepChecks:
         self.skipped_in_a_row = 0  # fp16 steps skipped for overflow, in a row
 
     def flags(self, stop_requested, loss_sum, norm, scale, new_scale):
-        """The step's flags, for dist.Agreement: `norm` the gradients' (None when not
-        measured), `scale` and `new_scale` fp16's loss scale before and after the step."""
+        """The step's flags and values, for dist.Agreement (which sums them over the ranks):
+        `loss_sum` this rank's loss total, `norm` the gradients' (None when not measured),
+        `scale` and `new_scale` fp16's loss scale before and after the step."""
         low_scale = too_many_skips = False
         if self.fp16:
             self.skipped_in_a_row = self.skipped_in_a_row + 1 if new_scale < scale else 0
             low_scale = new_scale < self.cfg.min_loss_scale
             too_many_skips = 0 < self.cfg.max_skipped_steps <= self.skipped_in_a_row
-        grads_not_finite = ~torch.isfinite(norm) if norm is not None else False
-        return stop_requested, ~torch.isfinite(loss_sum), grads_not_finite, low_scale, too_many_skips
+        return stop_requested, loss_sum, 0.0 if norm is None else norm, low_scale, too_many_skips
 
     def decide(self, agreed, step, epoch):
         """Act on the agreed flags of optimizer step `step` (in 0-based `epoch`): raise for a
         failure, else return whether all ranks agreed to stop."""
-        stop, loss_not_finite, grads_not_finite, low_scale, too_many_skips = agreed
+        stops, loss_sum, norm, low_scales, too_many_skips = agreed  # flags count the ranks that raised them
+        loss_not_finite, grads_not_finite = not math.isfinite(loss_sum), not math.isfinite(norm)
         where = f"at optimizer step {step} (epoch {epoch + 1})"
         fixes = "lower --lr or set --max_grad_norm" + (", or train with --amp bf16" if self.fp16 else "")
         if loss_not_finite or (grads_not_finite and not self.fp16):  # fp16: an overflow skips the step
             raise TrainingError(f"loss or gradients are not finite {where}; {fixes}")
-        if low_scale:
+        if low_scales:
             raise TrainingError(
                 f"the fp16 loss scale fell below --min_loss_scale {self.cfg.min_loss_scale:g} {where}: gradients "
                 f"overflow at any scale; {fixes}"
@@ -179,7 +179,7 @@ class StepChecks:
                 f"{self.cfg.max_skipped_steps} optimizer steps in a row skipped for fp16 overflow, up to step "
                 f"{step} (--max_skipped_steps); {fixes}"
             )
-        return stop
+        return stops > 0
 
 
 class ExitPath:

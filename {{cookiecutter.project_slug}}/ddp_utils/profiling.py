@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from .logs import rank_zero_only
+from .logs import global_rank, rank_zero_only
 
 
 class StepProfiler:
     def __init__(self, cfg, device, output_dir, before_toggle):
-        self.range = cfg.profile_range()
+        self.range = cfg.profile_range() if global_rank() == 0 else None  # rank 0 records
         self.before_toggle = before_toggle  # waits until no collective is in flight
         self.cuda = device.type == "cuda"
         self.folder = Path(output_dir) / "profile"
@@ -23,7 +23,6 @@ class StepProfiler:
         self.marker, self.marker_step = None, None  # the open "optimizer_step#N" range, and N
         self.first_recorded = None
 
-    @rank_zero_only
     def at_step(self, done):
         """Call before each micro-batch with the optimizer steps done. Records steps A to B, or
         the steps left of them when a run resumes inside the range. Each step is a range named

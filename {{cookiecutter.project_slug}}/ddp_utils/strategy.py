@@ -32,6 +32,7 @@ from .contract import build_on_meta
 from .data import mix_seed
 from .faults import CheckpointError, TrainingError
 from .knobs import ConfigError
+from .optim import clip_grad_norm
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 # DDP's setting for sending rank 0's buffers before each forward: torch 2.13 renamed it (the old
@@ -194,7 +195,7 @@ class DDPStrategy:
         return contextlib.nullcontext() if sync else self.model.no_sync()
 
     def clip_gradients(self, parameters, max_norm):
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return clip_grad_norm(parameters, max_norm)
 
     def save(self, state, optimizer, checkpoint_dir, cfg):
         """One file, written by rank 0 (checkpoint_files.save_checkpoint)."""
@@ -285,7 +286,7 @@ class FSDPStrategy:
     def clip_gradients(self, parameters, max_norm):
         # The gradients are shards (DTensors): the norm is reduced over all of them, and
         # full_tensor() makes it a plain tensor, the same on every rank.
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm).full_tensor()
+        return clip_grad_norm(parameters, max_norm).full_tensor()
 
     def save(self, state, optimizer, checkpoint_dir, cfg):
         """Every rank writes its shards of the model and optimizer state in parallel (DCP);
@@ -374,22 +375,6 @@ def buffers_may_differ(module):
 
 
 # --- the optimizer ------------------------------------------------------------------------
-
-
-def build_optimizer(model, cfg, device):
-    """AdamW over the model's parameters as the strategy left them (FSDP's are the local shards),
-    in two groups: weight decay on matrices, convolution kernels and embeddings (2 or more
-    dimensions) only; biases and normalisation weights never decay, as in nanoGPT and
-    torchtitan (decaying a LayerNorm gain towards 0 fights what it is there for). The fused
-    implementation, one kernel for all parameters (FSDP2's DTensors included), on GPUs and on
-    the CPU too, where torch would otherwise loop over them in Python (the template's
-    BENCHMARKS.md: 3.6% of a small GPT's throughput)."""
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, fused=device.type in ("cuda", "cpu"))
 
 
 def register_comm_hook(model, name):

@@ -200,16 +200,17 @@ def eval_only():
 
 
 def on_clip(record):
-    """Wrap torch's clip_grad_norm_ so that `record(parameters, total_norm)` sees every call."""
-    original = torch.nn.utils.clip_grad_norm_
+    """Wrap the clipping both strategies call (ddp_utils.optim.clip_grad_norm) so that
+    `record(parameters, total_norm)` sees every call."""
+    original = strategy.clip_grad_norm
 
-    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+    def clip_grad_norm(parameters, max_norm):
         parameters = list(parameters)
-        norm = original(parameters, max_norm, *args, **kwargs)
+        norm = original(parameters, max_norm)
         record(parameters, norm)
         return norm
 
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    strategy.clip_grad_norm = clip_grad_norm
 
 
 def record_clip():

@@ -26,6 +26,7 @@ from conftest import (
     wait_for,
 )
 
+import doctor
 import export
 import model
 from config import Config, parse_config
@@ -155,6 +156,19 @@ def test_fsdp_holds_half_the_model_state_per_process(runs):
     ddp_mb = read_metrics(runs.ddp[0])[-1]["model_state_mb"]
     fsdp_mb = read_metrics(runs.fsdp[0])[-1]["model_state_mb"]
     assert fsdp_mb <= 0.55 * ddp_mb, (fsdp_mb, ddp_mb)
+
+
+def test_the_doctor_plans_the_model_state_each_process_held(runs):
+    """doctor.py's memory plan for this job (2 processes) is within 5% of the parameters,
+    gradients and AdamW state each process of the ddp and fsdp runs held (model_state_mb)."""
+    cfg = parse_config([*TINY, *ARGS, *TWO])
+    with float64_default():  # as the runs were
+        task, built, small, _ = doctor.build(cfg)
+        plans, _ = doctor.memory_plan(built, small, task.loss_fn, cfg, world_size=2, gpus_per_node=2)
+    for name in ("ddp", "fsdp"):
+        planned = sum(plans[name][part] for part in ("parameters", "gradients", "optimizer")) / 2**20
+        held = read_metrics(getattr(runs, name)[0])[-1]["model_state_mb"]
+        assert planned == pytest.approx(held, rel=0.05), (name, planned, held)
 
 
 def test_both_strategies_start_from_the_weights_the_model_makes(runs):

@@ -104,7 +104,7 @@ def test_the_trainer_follows_the_schedule_from_the_first_step(tmp_path):
 
 @pytest.mark.fixed_amp
 def test_weight_decay_shrinks_matrices_and_never_biases_or_norms(tmp_path):
-    """AdamW's two parameter groups (strategy.build_optimizer): --weight_decay acts on every
+    """AdamW's two parameter groups (optim.build_optimizer): --weight_decay acts on every
     parameter of 2 or more dimensions (matrices, convolution kernels, embeddings) and on none
     of 1 (biases, LayerNorm and BatchNorm weights). One step from the same start with
     --weight_decay 0 and 0.5 (the same gradients): exactly the former differ."""

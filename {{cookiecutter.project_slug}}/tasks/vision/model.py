@@ -123,7 +123,8 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
         if not self.training or not distributed or x.is_meta:
             return super().forward(x)
         self.num_batches_tracked += 1
-        momentum = self.momentum if self.momentum is not None else 1 / self.num_batches_tracked.item()
+        # momentum None: a cumulative average, its weight a tensor (no host sync to read the count).
+        momentum = self.momentum if self.momentum is not None else (1 / self.num_batches_tracked).to(x.dtype)
         return _SyncBatchNorm.apply(x, self.weight, self.bias, self.running_mean, self.running_var, momentum, self.eps)
 
 

@@ -1,0 +1,40 @@
+"""The optimizer and gradient clipping: AdamW in two groups (`build_optimizer`) and the global
+gradient norm (`clip_grad_norm`), the two per-step passes over every parameter."""
+
+import math
+
+import torch
+
+
+def build_optimizer(model, cfg, device):
+    """AdamW over the model's parameters as the strategy left them (FSDP's are the local shards),
+    in two groups: weight decay on matrices, convolution kernels and embeddings (2 or more
+    dimensions) only; biases and normalisation weights never decay, as in nanoGPT and
+    torchtitan (decaying a LayerNorm gain towards 0 fights what it is there for). The fused
+    implementation, one kernel for all parameters (FSDP2's DTensors included), on GPUs and on
+    the CPU too, where torch would otherwise loop over them in Python (the template's
+    BENCHMARKS.md: 3.6% of a small GPT's throughput)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, fused=device.type in ("cuda", "cpu"))
+
+
+def clip_grad_norm(parameters, max_norm):
+    """The global 2-norm of the parameters' gradients, which are scaled down to `max_norm` where
+    it is larger; `max_norm` inf measures it only. The same arithmetic as
+    torch.nn.utils.clip_grad_norm_ (the same result to the bit), without its grouping of the
+    gradients by device and dtype on every call when they share one (most of its host time on
+    a small model), and without multiplying every gradient by 1 when nothing can be clipped.
+    Anything else (FSDP's DTensors, several dtypes) goes to torch's."""
+    grads = [p.grad for p in parameters]
+    kinds = {(type(g), g.device.type, g.dtype) for g in grads}
+    if len(kinds) != 1 or next(iter(kinds))[:2] not in ((torch.Tensor, "cpu"), (torch.Tensor, "cuda")):
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # FSDP's DTensors, mixed dtypes
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    if max_norm != math.inf:
+        # No `if norm > max_norm`: reading the norm would make the host wait for the device.
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
