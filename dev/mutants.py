@@ -262,6 +262,22 @@ MUTANTS = [
         ("tests/test_doctor.py::test_each_fault_is_named",),
     ),
     Mutant(
+        "doctor_resume_forgets_the_generators",
+        "doctor.py's resume loads the model and AdamW but not the random generators",
+        "doctor.py",
+        '        set_rng_state(saved["rng"])\n',
+        "",
+        ("tests/test_doctor.py::test_a_resume_that_is_not_exact_is_found",),
+    ),
+    Mutant(
+        "doctor_ranks_sum_their_gradients",
+        "doctor.py's 2-process gradients are the ranks' sum, not DDP's average",
+        "doctor.py",
+        "        (loss_fn(model(model_inputs(batch)), batch) / len(batches)).backward()\n",
+        "        loss_fn(model(model_inputs(batch)), batch).backward()\n",
+        ("tests/test_doctor.py::test_a_synchronised_norm_and_a_plain_model_are_the_same_on_one_process_and_two",),
+    ),
+    Mutant(
         "doctor_plans_fsdp_unsharded",
         "doctor.py's memory plan gives fsdp the whole model state on every GPU",
         "doctor.py",

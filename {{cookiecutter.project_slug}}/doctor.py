@@ -7,6 +7,12 @@ The model and data are built from the same config as training (config.py; model.
 dataset.py through the task contract) and each check reports pass, warn or fail, with why and
 the fix:
 
+  1 vs 2 processes  in float64, a batch's gradients against those of its halves, averaged as
+              DDP and accumulation do: a batch norm without synchronisation or a loss that is
+              not the mean per sample shows, named by the first parameter that differs
+  exact resume  two AdamW steps against one, a checkpoint's state loaded into a freshly built
+              model, and the second: state kept outside parameters and buffers, or random
+              numbers from a generator the model keeps, show
   gradients   one float64 forward and backward on a few training samples: parameters that get
               no gradient (DDP then needs --find_unused_parameters), gradient entries that are
               zero in exact arithmetic (AdamW turns their float32 rounding noise into full
@@ -18,9 +24,9 @@ the fix:
   host syncs  .item(), .tolist(), .cpu() and .numpy() in model.py's and dataset.py's forward
               and loss functions: each makes the host wait for the GPU every step
 
-Not checked here yet: whether your model trains the same on 1 process as on N, resumes
-exactly, and trains the same under fsdp as under ddp (the project's tests prove these for the
-shipped models: tests/test_correctness.py, test_resilience.py, test_fsdp.py).
+All in one process: data that depends on the rank, fsdp against ddp and the data position of a
+resume need the processes; the project's tests run them on your model (tests/test_correctness.py,
+test_resilience.py, test_fsdp.py).
 
 The report prints as a table and is written to OUTPUT_DIR/doctor.json; the exit status is 1
 when a check fails, 2 when the config or data is unusable.
@@ -28,6 +34,7 @@ when a check fails, 2 when the config or data is unusable.
 
 import argparse
 import ast
+import copy
 import json
 import math
 import sys
@@ -38,20 +45,113 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from config import parse_config
-from ddp_utils.contract import load_task, model_inputs
+from ddp_utils.checkpoint import rng_state, set_rng_state
+from ddp_utils.contract import batch_size, load_task, model_inputs
 from ddp_utils.knobs import InputError, print_error
+from ddp_utils.optim import build_optimizer
 from ddp_utils.strategy import AMP_DTYPES, shard_units
 
 PROJECT = Path(__file__).resolve().parent
 NODES, GPUS_PER_NODE = {{ cookiecutter.num_nodes | int }}, {{ cookiecutter.gpus_per_node | int }}  # the job's size
-SAMPLES = 4  # the activations are measured on this many training samples
+SAMPLES = 4  # the activations, 1 vs 2 processes and the resume on this many training samples
 GRADIENT_SAMPLES = 16  # each of the two batches of the gradient checks (a ReLU is dead on all 16 1 time in 65536)
 HOST_SYNCS = ("item", "tolist", "cpu", "numpy")
 TOLERANCE = 1e-9  # a float64 gradient entry this small against the largest is zero in exact arithmetic
+STREAM = 1234  # the random stream a rank draws from during training (any seed: the same in both runs)
 
 
 def check(name, status, summary, fix=""):
     return {"check": name, "status": status, "summary": summary, "fix": fix}
+
+
+def to_float64(batch):
+    return tree_map_only(torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, batch)
+
+
+# --- 1 process against N, and a resume --------------------------------------------------------
+
+
+def gradients(model, batches, loss_fn):
+    """The gradients DDP (or accumulation) makes of `batches`, one per rank: each rank's mean
+    loss backpropagated, the results averaged."""
+    model.zero_grad(set_to_none=True)
+    for batch in batches:
+        (loss_fn(model(model_inputs(batch)), batch) / len(batches)).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def halves(batch):
+    size = batch_size(batch) // 2
+    return [
+        tree_map_only(torch.Tensor, lambda t: t[:size], batch),
+        tree_map_only(torch.Tensor, lambda t: t[size:], batch),
+    ]
+
+
+def equivalence_check(model, batch, loss_fn):
+    """In float64, the gradients of a batch on 1 process against its two halves on 2 processes
+    (or 2 accumulation steps) agree to ~1e-10 when every sample counts alike. Dropout is off
+    (other draws on other ranks), and a synchronised batch norm uses its running statistics: it
+    needs the processes, which the tests' 1-vs-2-process runs have."""
+    model.train()
+    for module in model.modules():
+        synced = isinstance(module, nn.SyncBatchNorm) or getattr(module, "same_buffers_on_every_rank", False)
+        if isinstance(module, nn.modules.dropout._DropoutNd) or synced:
+            module.eval()
+    whole, split = gradients(model, [batch], loss_fn), gradients(model, halves(batch), loss_fn)
+    for name, grad in whole.items():
+        scale = grad.abs().max().item() or 1.0
+        if name not in split or (grad - split[name]).abs().max().item() > 1e-10 * scale:
+            batch_norm = nn.modules.batchnorm._BatchNorm
+            norms = [n for n, m in model.named_modules() if isinstance(m, batch_norm) and m.training]
+            cause, fix = (
+                (f"{norms[0]} normalises each process's share with its own statistics",
+                 "nn.SyncBatchNorm.convert_sync_batchnorm(model) (or a norm per sample: LayerNorm, GroupNorm)")
+                if norms else
+                ("the loss is not the mean over the batch's samples (a sum, or a mean over a count that differs "
+                 "between ranks)", "return the mean per sample from loss_fn: DDP averages the ranks' gradients")
+            )  # fmt: skip
+            return check("1 vs 2 processes", "fail", f"{name}'s gradient differs: {cause}", fix)
+    return check("1 vs 2 processes", "pass", "the gradients of a batch and of its halves agree to 1e-10 (float64)")
+
+
+def resume_check(build_model, batches, loss_fn, cfg):
+    """Two optimizer steps, against one step, a checkpoint as train.py saves it (the model's
+    state_dict, AdamW's, the random generators) loaded into a freshly built model, and the
+    second step: bit for bit the same parameters and buffers."""
+
+    def start():
+        torch.manual_seed(cfg.seed)  # as a new process builds it (train.py seeds), then its own stream
+        model = build_model().double().train()
+        return model, build_optimizer(model, cfg, torch.device("cpu"))
+
+    def step(model, optimizer, batch):
+        loss_fn(model(model_inputs(batch)), batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    with torch.random.fork_rng(devices=[]):
+        model, optimizer = start()
+        torch.manual_seed(STREAM)
+        for batch in batches:
+            step(model, optimizer, batch)
+        stopped, optimizer = start()
+        torch.manual_seed(STREAM)
+        step(stopped, optimizer, batches[0])
+        saved = copy.deepcopy({"model": stopped.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state()})
+        resumed, optimizer = start()
+        torch.manual_seed(STREAM + 1)  # the new process's stream, until the checkpoint's is restored
+        resumed.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        set_rng_state(saved["rng"])
+        step(resumed, optimizer, batches[1])
+    expected, got = model.state_dict(), resumed.state_dict()
+    for name, tensor in expected.items():
+        if not torch.equal(tensor, got[name]):
+            fix = ("keep every state in parameters or buffers (register_buffer), and draw random numbers from torch's "
+                   "global generator (the checkpoint saves it), not from one the model keeps")  # fmt: skip
+            return check("exact resume", "fail", f"{name} differs after a resume", fix)
+    return check("exact resume", "pass", "a step after a save and load equals the uninterrupted step, bit for bit")
 
 
 # --- gradients ---------------------------------------------------------------------------------
@@ -61,10 +161,6 @@ def gradient_checks(model, batches, loss_fn, cfg):
     """Rows for a float64 forward and backward of `model` (changed to float64 in place) on the
     first of two `batches`; the second is for zero_gradient_check."""
     model.double().train()
-
-    def to_float64(batch):
-        return tree_map_only(torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, batch)
-
     batch, other = map(to_float64, batches)
     loss = loss_fn(model(model_inputs(batch)), batch)
     loss.backward()
@@ -240,14 +336,23 @@ def build(cfg):
     loader = iter(torch.utils.data.DataLoader(train_set, batch_size=min(GRADIENT_SAMPLES, len(train_set))))
     first = next(loader)
     second = next(loader, first) if len(train_set) >= 2 * GRADIENT_SAMPLES else first
-    torch.manual_seed(cfg.seed)
-    return task, task.build_model(cfg), small, (first, second)
+    return task, built(task, cfg), small, (first, second)
+
+
+def built(task, cfg):
+    """The model as train.py builds it: torch seeded by --seed (the generators left as they were)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return task.build_model(cfg)
 
 
 def diagnose(cfg, gpu_gb, world_size, gpus_per_node):
     task, model, small, batches = build(cfg)
     plans, activations = memory_plan(model, small, task.loss_fn, cfg, world_size, gpus_per_node)
     rows = [memory_check(plans, activations, cfg, gpu_gb, world_size)]
+    small = to_float64(small)  # the steps below on SAMPLES samples: a float64 step of a large model is slow
+    rows.append(equivalence_check(copy.deepcopy(model).double(), small, task.loss_fn))
+    rows.append(resume_check(lambda: built(task, cfg), halves(small), task.loss_fn, cfg))
     rows += gradient_checks(model, batches, task.loss_fn, cfg)  # last: it turns the model to float64
     rows.append(host_sync_check([PROJECT / "model.py", PROJECT / "dataset.py"]))
     return rows, plans

@@ -18,9 +18,11 @@ def test_the_shipped_task_passes_the_doctor(tmp_path, capsys):
     report = json.loads((tmp_path / "doctor.json").read_text())
     statuses = {row["check"]: row["status"] for row in report["checks"]}
     assert code == 0, printed
-    assert set(statuses) == {"memory plan", "non-finite values", "unused parameters", "zero gradients", "host syncs"}
+    assert set(statuses) == {"memory plan", "1 vs 2 processes", "exact resume", "non-finite values",
+                             "unused parameters", "zero gradients", "host syncs"}  # fmt: skip
     assert "fail" not in statuses.values(), printed
-    assert statuses["memory plan"] == "pass" and statuses["unused parameters"] == "pass"
+    for name in ("memory plan", "1 vs 2 processes", "exact resume", "unused parameters"):
+        assert statuses[name] == "pass", printed
     # 2 nodes of 2: ddp holds everything, fsdp a quarter of the model state, hsdp a half.
     plans = report["memory_bytes_per_gpu"]
     state = {name: plan["parameters"] + plan["gradients"] + plan["optimizer"] for name, plan in plans.items()}
@@ -105,3 +107,70 @@ def test_a_model_too_big_for_the_gpu_gets_the_way_to_fit():
     plans, activations = doctor.memory_plan(model, (torch.randn(4, 1000), None), lambda o, b: o.sum(), cfg, 1, 1)
     row = doctor.memory_check(plans, activations, cfg, 0.05, 1)
     assert row["status"] == "fail" and row["fix"].startswith("more GPUs with --strategy fsdp"), row
+
+
+class Normed(nn.Module):
+    """A batch norm without synchronisation: each process normalises its share alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.norm = nn.Linear(8, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(self.layer(x))
+
+
+def loss_per_class_present(output, batch):
+    """Divided by a count that differs between the ranks' shares (the classes each holds)."""
+    return nn.functional.cross_entropy(output, batch[1], reduction="sum") / batch[1].unique().numel()
+
+
+@pytest.mark.parametrize(
+    "build_model, loss, named",
+    [
+        (Normed, loss_fn, "norm normalises each process's share"),
+        (lambda: nn.Linear(8, 4), loss_per_class_present, "the loss is not the mean over the batch's samples"),
+    ],
+)
+def test_what_one_process_cannot_tell_from_two_is_named(build_model, loss, named):
+    row = doctor.equivalence_check(build_model().double(), doctor.to_float64(BATCH), loss)
+    assert row["status"] == "fail" and named in row["summary"], row
+
+
+def test_a_synchronised_norm_and_a_plain_model_are_the_same_on_one_process_and_two():
+    synced = Normed()
+    synced.norm.same_buffers_on_every_rank = True  # as the vision task's SyncBatchNorm2d says
+    for model in (synced, nn.Linear(8, 4)):
+        assert doctor.equivalence_check(model.double(), doctor.to_float64(BATCH), loss_fn)["status"] == "pass"
+
+
+class Stateful(nn.Module):
+    """`draw`: where its randomness comes from; `count`: a Python attribute its output depends on."""
+
+    def __init__(self, draw=None, count=False):
+        super().__init__()
+        self.layer, self.draw, self.count, self.calls = nn.Linear(8, 4), draw, count, 0
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        self.calls += 1
+        if self.draw == "global":
+            x = x + torch.randn(x.shape, dtype=x.dtype)
+        if self.draw == "own":
+            x = x + torch.randn(x.shape, dtype=x.dtype, generator=self.generator)
+        return self.layer(x) * (self.calls if self.count else 1)
+
+
+@pytest.mark.parametrize(
+    "model, status",
+    [
+        (dict(draw="global"), "pass"),  # torch's generator: the checkpoint saves and restores it
+        (dict(draw="own"), "fail"),
+        (dict(count=True), "fail"),
+    ],
+)
+def test_a_resume_that_is_not_exact_is_found(model, status):
+    row = doctor.resume_check(lambda: Stateful(**model), doctor.halves(doctor.to_float64(BATCH)), loss_fn, cfg_for())
+    assert row["status"] == status, row
+    if status == "fail":
+        assert row["summary"] == "layer.weight differs after a resume" and "register_buffer" in row["fix"]
