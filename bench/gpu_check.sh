@@ -33,6 +33,9 @@
 #  14. Where a bf16 step of the GPT of check 10 goes (bench/breakdown.py's parts, from a trace of
 #      steps 21-40 through bench/profiled.py) and the share of those steps the GPU is idle;
 #      the table prints after the checks.
+#  15. doctor.py on each task with a GPU visible: no FAIL, and its steady-state forward and
+#      backward under torch.cuda.set_sync_debug_mode("warn") PASS (no host sync in model.py
+#      or the loss).
 #
 #   bash bench/gpu_check.sh                 # renders the template (needs cookiecutter)
 #   bash bench/gpu_check.sh PROJECT_DIR     # an already generated project
@@ -286,11 +289,11 @@ for fused in true false; do
 import sys
 import torch
 sys.path.insert(0, ".")
-from ddp_utils import strategy
+from ddp_utils import optim
 import train
 
 fused = sys.argv.pop() == "true"
-build = strategy.build_optimizer
+build = optim.build_optimizer
 
 def build_optimizer(model, cfg, device):
     optimizer = build(model, cfg, device)
@@ -414,10 +417,30 @@ if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_pe
     "${GPT[@]}" --max_steps 45 --eval_every_steps 0 --profile_steps 21:40 --output_dir "$runs/breakdown" \
     >"$runs/breakdown.log" 2>&1) &&
     "$python" "$here/breakdown.py" --trace "$runs/breakdown/profile/trace_steps_21-40.json" >"$runs/breakdown.md" 2>&1; then
-    check "step breakdown, GPT 12x768 bf16, steps 21-40" "ok ($(grep -o 'GPU idle share | [0-9.]*%' "$runs/breakdown.md"))"
+    idle=$(grep -o 'GPU idle share | [0-9.]*' "$runs/breakdown.md" | grep -o '[0-9.]*$' || echo 100)
+    verdict=$("$python" -c "print('ok' if $idle < 5 else 'above the 5% target')")
+    check "step breakdown, GPT 12x768 bf16, steps 21-40: GPU idle < 5%" "$verdict (GPU idle $idle% of the steps; table below)"
     echo
     cat "$runs/breakdown.md"
 else
-    check "step breakdown, GPT 12x768 bf16, steps 21-40" "$(tail -n 3 "$runs/breakdown.log" "$runs/breakdown.md" 2>/dev/null | tr '\n' ' ')"
+    check "step breakdown, GPT 12x768 bf16, steps 21-40: GPU idle < 5%" "$(tail -n 3 "$runs/breakdown.log" "$runs/breakdown.md" 2>/dev/null | tr '\n' ' ')"
 fi
+
+# --- 15. the doctor with a GPU: no FAIL, no host sync in a steady-state step --------------------
+for name in tabular language vision; do
+    case $name in
+        tabular) task_dir=$project data=() ;;
+        language) task_dir=$language data=(--data_dir "$runs/text") ;;
+        vision) task_dir=$vision data=(--data_dir "$runs/digits") ;;
+    esac
+    code=0
+    (cd "$task_dir" && "$python" doctor.py "${data[@]}" --amp bf16 --output_dir "$runs/doctor_$name") \
+        >"$runs/doctor_$name.log" 2>&1 || code=$?
+    row=$(grep -o '| host syncs on the GPU | [A-Z]* | [^|]*' "$runs/doctor_$name.log" || echo "no GPU row")
+    if [[ $code == 0 && $row == *"| PASS |"* ]]; then
+        check "doctor.py with a GPU, $name task" "ok (${row#| host syncs on the GPU | PASS | })"
+    else
+        check "doctor.py with a GPU, $name task" "exit $code: $row; $(grep -c '| FAIL |' "$runs/doctor_$name.log") FAIL rows"
+    fi
+done
 exit $failed

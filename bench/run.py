@@ -133,6 +133,8 @@ def main():
     parser.add_argument("--set", action="append", default=[], metavar="NAME=N",
                         help="another job size, e.g. --set n_layer=2 (a key of the task's JOBS entry)")  # fmt: skip
     args = parser.parse_args()
+    if args.ceiling and args.task != "language":
+        parser.error("--ceiling: the language task only (its floor, bench/minimal_gpt_ddp.py, has the two switches)")
     for setting in args.set:
         name, _, value = setting.partition("=")
         if name not in JOBS[args.task] or not value.isdigit():

@@ -13,43 +13,57 @@ the fix:
   exact resume  two AdamW steps against one, a checkpoint's state loaded into a freshly built
               model, and the second: state kept outside parameters and buffers, or random
               numbers from a generator the model keeps, show
+  data per rank  the training set as rank 0 and rank 1 of 2 build it (torchrun's variables,
+              torch.distributed's answers): data chosen by rank shows
+  shard units  the blocks --strategy fsdp shards one by one, and a module nothing initialises
+              on the meta device (--init_on_meta)
   gradients   one float64 forward and backward on a few training samples: parameters that get
               no gradient (DDP then needs --find_unused_parameters), gradient entries that are
               zero in exact arithmetic (AdamW turns their float32 rounding noise into full
               steps), non-finite values
-  memory      bytes per GPU of parameters, gradients, AdamW's state and activations (what the
-              forward saves for backward, measured on a few samples under --amp and scaled to
-              --batch_size) under ddp, fsdp and hsdp at the job's world size; whether that fits
+  memory      bytes per GPU of parameters, gradients, AdamW's state and activations (the peak
+              of what a forward and the loss hold, saved for backward or not, measured on a few
+              samples under --amp and taken to --batch_size) under ddp, fsdp over every GPU and
+              hsdp at the job's world size; whether the configured --strategy fits
               --gpu_memory_gb, and what makes it fit
   host syncs  .item(), .tolist(), .cpu() and .numpy() in model.py's and dataset.py's forward
-              and loss functions: each makes the host wait for the GPU every step
+              and loss functions: each makes the host wait for the GPU every step. With a GPU,
+              also a steady-state forward and backward under torch.cuda.set_sync_debug_mode
 
-All in one process: data that depends on the rank, fsdp against ddp and the data position of a
-resume need the processes; the project's tests run them on your model (tests/test_correctness.py,
-test_resilience.py, test_fsdp.py).
+All in one process: fsdp against ddp and the data position of a resume need the processes;
+the project's tests run them on your model (tests/test_correctness.py, test_resilience.py,
+test_fsdp.py).
 
 The report prints as a table and is written to OUTPUT_DIR/doctor.json; the exit status is 1
 when a check fails, 2 when the config or data is unusable.
 """
 
-import argparse
 import ast
+import contextlib
 import copy
+import functools
 import json
 import math
+import os
 import sys
+import warnings
+import weakref
 from pathlib import Path
+from unittest import mock
 
+import numpy as np
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
 from config import parse_config
 from ddp_utils.checkpoint import rng_state, set_rng_state
-from ddp_utils.contract import batch_size, load_task, model_inputs
-from ddp_utils.knobs import InputError, print_error
+from ddp_utils.contract import batch_size, load_task, model_inputs, to_device
+from ddp_utils.knobs import ConfigError, InputError, OneLineParser, print_error
 from ddp_utils.optim import build_optimizer
-from ddp_utils.strategy import AMP_DTYPES, shard_units
+from ddp_utils.strategy import AMP_DTYPES, build_module, shard_units
 
 PROJECT = Path(__file__).resolve().parent
 NODES, GPUS_PER_NODE = {{ cookiecutter.num_nodes | int }}, {{ cookiecutter.gpus_per_node | int }}  # the job's size
@@ -81,24 +95,30 @@ def gradients(model, batches, loss_fn):
 
 
 def halves(batch):
+    """The first two halves of equal size (an odd sample left out): two ranks' shares."""
     size = batch_size(batch) // 2
     return [
         tree_map_only(torch.Tensor, lambda t: t[:size], batch),
-        tree_map_only(torch.Tensor, lambda t: t[size:], batch),
+        tree_map_only(torch.Tensor, lambda t: t[size : 2 * size], batch),
     ]
 
 
 def equivalence_check(model, batch, loss_fn):
     """In float64, the gradients of a batch on 1 process against its two halves on 2 processes
-    (or 2 accumulation steps) agree to ~1e-10 when every sample counts alike. Dropout is off
-    (other draws on other ranks), and a synchronised batch norm uses its running statistics: it
-    needs the processes, which the tests' 1-vs-2-process runs have."""
-    model.train()
+    (or 2 accumulation steps) agree to ~1e-10 when every sample counts alike. The model is in
+    eval mode (dropout, however the model applies it, draws otherwise on other ranks) but for
+    its batch norms without synchronisation, the difference sought; a synchronised one would
+    need the processes, which the tests' 1-vs-2-process runs have."""
+    shares = halves(batch)
+    if batch_size(shares[0]) == 0:
+        return check("1 vs 2 processes", "warn", "not checked: the training set has fewer than 2 samples")
+    model.eval()
     for module in model.modules():
         synced = isinstance(module, nn.SyncBatchNorm) or getattr(module, "same_buffers_on_every_rank", False)
-        if isinstance(module, nn.modules.dropout._DropoutNd) or synced:
-            module.eval()
-    whole, split = gradients(model, [batch], loss_fn), gradients(model, halves(batch), loss_fn)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not synced:
+            module.train()
+    whole = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
+    whole, split = gradients(model, [whole], loss_fn), gradients(model, shares, loss_fn)
     for name, grad in whole.items():
         scale = grad.abs().max().item() or 1.0
         if name not in split or (grad - split[name]).abs().max().item() > 1e-10 * scale:
@@ -130,21 +150,23 @@ def resume_check(build_model, batches, loss_fn, cfg):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    with torch.random.fork_rng(devices=[]):
-        model, optimizer = start()
-        torch.manual_seed(STREAM)
-        for batch in batches:
-            step(model, optimizer, batch)
-        stopped, optimizer = start()
-        torch.manual_seed(STREAM)
-        step(stopped, optimizer, batches[0])
-        saved = copy.deepcopy({"model": stopped.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state()})
-        resumed, optimizer = start()
-        torch.manual_seed(STREAM + 1)  # the new process's stream, until the checkpoint's is restored
-        resumed.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        set_rng_state(saved["rng"])
-        step(resumed, optimizer, batches[1])
+    before = rng_state()  # torch's, Python's and NumPy's generators: each run starts from them
+    model, optimizer = start()
+    torch.manual_seed(STREAM)
+    for batch in batches:
+        step(model, optimizer, batch)
+    set_rng_state(before)
+    stopped, optimizer = start()
+    torch.manual_seed(STREAM)
+    step(stopped, optimizer, batches[0])
+    saved = copy.deepcopy({"model": stopped.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state()})
+    resumed, optimizer = start()
+    torch.manual_seed(STREAM + 1)  # the new process's stream, until the checkpoint's is restored
+    resumed.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    set_rng_state(saved["rng"])
+    step(resumed, optimizer, batches[1])
+    set_rng_state(before)
     expected, got = model.state_dict(), resumed.state_dict()
     for name, tensor in expected.items():
         if not torch.equal(tensor, got[name]):
@@ -152,6 +174,48 @@ def resume_check(build_model, batches, loss_fn, cfg):
                    "global generator (the checkpoint saves it), not from one the model keeps")  # fmt: skip
             return check("exact resume", "fail", f"{name} differs after a resume", fix)
     return check("exact resume", "pass", "a step after a save and load equals the uninterrupted step, bit for bit")
+
+
+def as_rank(rank, world_size):
+    """What a dataset sees of its process on rank `rank` of `world_size` (torchrun's variables,
+    torch.distributed's answers), with no process group."""
+    variables = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.dict(os.environ, {name: str(value) for name, value in variables.items()}))
+    for name, value in (("is_initialized", True), ("get_rank", rank), ("get_world_size", world_size)):
+        stack.enter_context(mock.patch.object(torch.distributed, name, lambda *args, value=value, **kwargs: value))
+    return stack
+
+
+def rank_data_check(task, cfg):
+    """The training set rank 0 and rank 1 of 2 build, and the first, middle and last samples
+    of each (drawn with the same random state): the same, as the DistributedSampler splits
+    one dataset between the ranks."""
+    before, built = rng_state(), []
+    for rank in (0, 1):
+        with as_rank(rank, 2):
+            set_rng_state(before)
+            train_set, _ = task.build_datasets(cfg)
+            indices = sorted({0, 1, len(train_set) // 2, len(train_set) - 1} & set(range(len(train_set))))
+            built.append((len(train_set), {i: train_set[i] for i in indices}))
+    set_rng_state(before)
+    (size, samples), (other_size, others) = built
+    fix = "build the same dataset on every rank: train.py's DistributedSampler gives each rank its share"
+    if size != other_size:
+        return check("data per rank", "fail", f"rank 0's training set has {size} samples, rank 1's {other_size}", fix)
+    for index, sample in samples.items():
+        if not same(sample, others[index]):
+            return check("data per rank", "fail", f"training sample {index} differs between rank 0 and rank 1", fix)
+    return check("data per rank", "pass", "ranks 0 and 1 of 2 build the same training set")
+
+
+def same(a, b):
+    (leaves, spec), (others, other_spec) = tree_flatten(a), tree_flatten(b)
+    if spec != other_spec:
+        return False
+    arrays = (torch.Tensor, np.ndarray)
+    return all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) if isinstance(x, arrays) else x == y
+               for x, y in zip(leaves, others))  # fmt: skip
 
 
 # --- gradients ---------------------------------------------------------------------------------
@@ -197,8 +261,9 @@ def zero_gradient_check(model, named, other, loss_fn):
     named = [(name, p) for name, p in named if p.grad is not None and id(p) not in embeddings]
 
     def tiny_entries():
-        largest = max((p.grad.abs().max().item() for _, p in named), default=0.0)
-        return {name: p.grad.abs() <= TOLERANCE * largest for name, p in named}, largest
+        largest = max((p.grad.abs().max().item() for _, p in named if p.grad is not None), default=0.0)
+        grads = [(name, p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in named]
+        return {name: grad.abs() <= TOLERANCE * largest for name, grad in grads}, largest
 
     zero, largest = tiny_entries()
     if largest == 0:
@@ -221,49 +286,94 @@ def zero_gradient_check(model, named, other, loss_fn):
     more = f" and {len(found) - 3} more" if len(found) > 3 else ""
     return check(
         "zero gradients", "warn", f"zero in exact arithmetic: {listed}{more}",
-        "such entries (an attention key bias: softmax ignores it) get float32 noise for a gradient, which AdamW "
-        "scales to full steps: remove them, or keep them out of weight decay (biases are, in optim.py)",
+        "such entries (an attention key bias: softmax ignores it) get float32 rounding noise for a gradient, which "
+        "AdamW scales to full steps: remove them, or freeze them (requires_grad=False)",
     )  # fmt: skip
 
 
 # --- memory ------------------------------------------------------------------------------------
 
 
-def activation_bytes(model, batch, loss_fn, amp_dtype):
-    """Bytes the forward saves for backward for `batch`, each storage once; the parameters it
-    saves (a weight, for its gradient) are counted as parameters, not here."""
-    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    total = 0
+class LiveBytes(TorchDispatchMode):
+    """The bytes the tensors made under it hold after each operation (`trace`), each storage
+    counted once, from when it is made until it is freed: what a forward saves for backward,
+    and what it frees sooner (a softmax's intermediate, autocast's copies of the weights)."""
 
-    def pack(tensor):
-        nonlocal total
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return tensor
+    def __init__(self):
+        super().__init__()
+        self.live, self.trace = 0, []
+        self.held = WeakIdKeyDictionary()  # storage: a reference that says when it is freed
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
+            if storage is None or storage in self.held or id(storage) in inputs:
+                continue  # a view of what exists already
+            self.held[storage] = weakref.ref(storage, functools.partial(self.free, storage.nbytes()))
+            self.live += storage.nbytes()
+        self.trace.append(self.live)
+        return out
+
+    def free(self, nbytes, _):
+        self.live -= nbytes
+
+
+def activation_trace(model, batch, loss_fn, amp_dtype):
+    """The bytes a forward and the loss of `batch` hold after each operation: what they save
+    for backward and what they hold for a while."""
+    with LiveBytes() as tracked:
         with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss_fn(model(model_inputs(batch)), batch)
-    return total
+            loss = loss_fn(model(model_inputs(batch)), batch)
+    del loss
+    return tracked.trace
+
+
+def activations_at(model, batch, loss_fn, cfg):
+    """The peak activations of --batch_size samples. The bytes held after each operation are
+    measured on the first half of `batch` and on the whole of it, and each is taken along
+    the line through the two (what does not grow with the batch, such as autocast's copies of
+    the weights, counted once): the peak is where the largest of them is at --batch_size,
+    which need not be where it is for a few samples. Scaled from the whole when it has one
+    sample or the operations differ with the batch's size."""
+    amp_dtype, samples = AMP_DTYPES[cfg.amp], batch_size(batch)
+    whole = activation_trace(model, batch, loss_fn, amp_dtype)
+    half_samples = samples // 2
+    half = tree_map_only(torch.Tensor, torch.clone, halves(batch)[0])  # its own storage, not the batch's
+    half = activation_trace(model, half, loss_fn, amp_dtype) if half_samples else []
+    if len(half) != len(whole):
+        return max(whole, default=0) * cfg.batch_size / samples
+    slopes = [(b - a) / (samples - half_samples) for a, b in zip(half, whole)]
+    return max((b + slope * (cfg.batch_size - samples) for b, slope in zip(whole, slopes)), default=0.0)
+
+
+def replicas(cfg, world_size, gpus_per_node):
+    """The replicas --strategy fsdp keeps at this size (ddp_utils.strategy.hsdp_replicas)."""
+    return cfg.replicate_degree or (world_size // gpus_per_node if gpus_per_node > 1 else 1)
 
 
 def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node):
-    """Bytes per GPU under ddp, fsdp and hsdp: {strategy: {part: bytes}}."""
+    """Bytes per GPU under ddp, fsdp over every GPU and hsdp (fsdp in replicas), and the flags
+    of each: ({name: {part: bytes}}, {name: flags}, the configured one's name)."""
     parameters = list(model.parameters())  # bytes as built (float32, unless the model says otherwise)
     trainable = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in parameters) - trainable
-    amp_dtype = AMP_DTYPES[cfg.amp]
-    compute = 2 if amp_dtype is not None else 4  # bytes of a parameter gathered for compute under fsdp
-    samples = len(model_inputs(batch))
-    activations = activation_bytes(model, batch, loss_fn, amp_dtype) * cfg.batch_size / samples
-    largest_unit = max((sum(p.numel() for p in unit.parameters()) for unit in shard_units(model)), default=0)
     element = parameters[0].element_size() if parameters else 4
-    replicas = cfg.replicate_degree or (world_size // gpus_per_node if gpus_per_node > 1 else 1)
-    plans = {}
-    for name, shards in (("ddp", 1), ("fsdp", world_size), ("hsdp", world_size // max(1, replicas))):
-        if name == "hsdp" and (shards in (1, world_size) or world_size % replicas):
+    compute = 2 if AMP_DTYPES[cfg.amp] is not None else element  # a parameter gathered for compute under fsdp
+    activations = activations_at(model, batch, loss_fn, cfg)
+    largest_unit = max((sum(p.numel() for p in unit.parameters()) for unit in shard_units(model)), default=0)
+    largest_unit = largest_unit or sum(p.numel() for p in parameters)  # no units: the whole model is one
+    default = replicas(cfg, world_size, gpus_per_node)
+    hsdp = default if default > 1 else (world_size // gpus_per_node if gpus_per_node > 1 else 1)
+    candidates = {
+        "ddp": (1, "--strategy ddp"),
+        "fsdp": (world_size, "--strategy fsdp" + (" --replicate_degree 1" if default != 1 else "")),
+        "hsdp": (world_size // hsdp, "--strategy fsdp" + (f" --replicate_degree {hsdp}" if hsdp != default else "")),
+    }
+    plans, flags = {}, {}
+    for name, (shards, flag) in candidates.items():
+        if name == "hsdp" and (shards in (1, world_size) or world_size % hsdp):
             continue  # the same as ddp or fsdp here
         plans[name] = {
             "parameters": (trainable + frozen) / shards,
@@ -273,29 +383,59 @@ def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node):
         }
         if shards > 1:  # a unit gathered for its forward or backward and the next one prefetched; one unit's gradients
             plans[name]["gathered"] = largest_unit * (2 * compute + element)
-    return plans, activations
+        elif not cfg.gradient_as_bucket_view:
+            plans[name]["buckets"] = trainable  # DDP's buckets, a second copy of the gradients
+        flags[name] = flag
+    if cfg.strategy == "ddp":
+        configured = "ddp"
+    else:
+        configured = "fsdp" if default == 1 else "hsdp" if "hsdp" in plans and hsdp == default else "ddp"
+    return plans, flags, configured
 
 
-def memory_check(plans, activations, cfg, gpu_gb, world_size):
+def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
     gb = 1e9
-    fits = {name: sum(plan.values()) / gb for name, plan in plans.items()}
+    totals = {name: sum(plan.values()) / gb for name, plan in plans.items()}
     summary = ", ".join(f"{name} {total:.2f} GB" if total >= 0.1 else f"{name} {1000 * total:.1f} MB"
-                        for name, total in fits.items())  # fmt: skip
+                        for name, total in totals.items())  # fmt: skip
     summary += f" per GPU at {world_size} GPUs, --batch_size {cfg.batch_size}, --amp {cfg.amp}"
-    if fits["ddp"] <= 0.9 * gpu_gb:  # a tenth left to the allocator's fragmentation and the CUDA context
-        return check("memory plan", "pass", f"{summary}: fits {gpu_gb:g} GB")
-    state = fits["ddp"] - activations / gb
-    fixes = []
-    if any(total <= 0.9 * gpu_gb for name, total in fits.items() if name != "ddp"):
-        fixes.append("--strategy fsdp" + (" (or hsdp: --replicate_degree)" if "hsdp" in fits else ""))
-    elif state > 0.3 * fits["ddp"]:
+    fits = {name: total <= 0.9 * gpu_gb for name, total in totals.items()}  # a tenth to fragmentation, the context
+    if fits[configured]:
+        return check("memory plan", "pass", f"{summary}: {configured} fits {gpu_gb:g} GB")
+    activations = plans[configured]["activations"] / gb
+    fixes = [flags[name] for name in plans if fits[name]]
+    if not fixes and totals[configured] - activations > 0.3 * totals[configured]:
         fixes.append("more GPUs with --strategy fsdp (the model state shards over them)")
-    if activations / gb > 0.3 * fits["ddp"]:
+    if activations > 0.3 * totals[configured]:
         if not getattr(cfg, "activation_checkpointing", True):
             fixes.append("--activation_checkpointing true")
         fixes.append(f"--batch_size {max(1, cfg.batch_size // 2)} --grad_accum_steps {2 * cfg.grad_accum_steps}")
-    status = "warn" if any(total <= 0.9 * gpu_gb for total in fits.values()) else "fail"
-    return check("memory plan", status, f"{summary}: ddp does not fit {gpu_gb:g} GB", "; or ".join(fixes))
+    status = "warn" if any(fits.values()) else "fail"
+    return check("memory plan", status, f"{summary}: {configured} does not fit {gpu_gb:g} GB", "; or ".join(fixes))
+
+
+def sharding_check(build_model, model, cfg):
+    """The units --strategy fsdp shards one by one (each gathered whole for its forward and
+    backward), and whether each module can start on the meta device (--init_on_meta: a model
+    too big for one process never exists whole)."""
+    units = shard_units(model)
+    total = sum(p.numel() for p in model.parameters()) or 1
+    if not units:
+        why = "fsdp finds no blocks to shard one by one: it gathers the whole model at once"
+        return check("shard units", "warn", why, "give the model shard_units() (its blocks), or a ModuleList of them")
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    largest = max(sum(p.numel() for p in unit.parameters()) for unit in units)
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
+    summary = (f"{len(units)} {type(units[0]).__name__} units of at most {largest / total:.0%} of the parameters, "
+               f"{rest / total:.0%} with the whole model")  # fmt: skip
+    try:
+        build_module(cfg, build_model, torch.device("cpu"), on_meta=True)
+    except ConfigError as error:  # "is true, but <why>: set ..."
+        why = error.problem.removeprefix("is true, but ").split(": set ")[0]
+        fix = "give the model init_weights(name, module) (model.py), or keep --init_on_meta false"
+        status = "fail" if cfg.init_on_meta else "warn"
+        return check("shard units", status, f"{summary}; on the meta device, {why}", fix)
+    return check("shard units", "pass", f"{summary}; every module starts on the meta device too")
 
 
 # --- host syncs --------------------------------------------------------------------------------
@@ -319,6 +459,35 @@ def host_sync_check(paths):
     more = f" and {len(found) - 3} more" if len(found) > 3 else ""
     fix = "keep tensors on the device in forward and the loss; read values for logging outside the step"
     return check("host syncs", "warn", "; ".join(found[:3]) + more, fix)
+
+
+def gpu_sync_check(model, batch, loss_fn, cfg):
+    """On a GPU, a forward, loss and backward after a first one (the steady state: no lazy
+    initialisation left), under torch.cuda.set_sync_debug_mode("warn"): every operation that
+    makes the host wait for the GPU warns, from the line that called it."""
+    device, amp_dtype = torch.device("cuda"), AMP_DTYPES[cfg.amp]
+    model, batch = copy.deepcopy(model).to(device).train(), to_device(batch, device)
+
+    def step():
+        with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = loss_fn(model(model_inputs(batch)), batch)
+        loss.backward()
+
+    step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+    if not found:
+        return check("host syncs on the GPU", "pass", "a steady-state forward and backward never waits for the GPU")
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    fix = "keep tensors on the device in forward and the loss (no .item(), no Python branch on a tensor's value)"
+    return check("host syncs on the GPU", "warn", f"the host waits for the GPU at {', '.join(found[:3])}{more}", fix)
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -348,11 +517,15 @@ def built(task, cfg):
 
 def diagnose(cfg, gpu_gb, world_size, gpus_per_node):
     task, model, small, batches = build(cfg)
-    plans, activations = memory_plan(model, small, task.loss_fn, cfg, world_size, gpus_per_node)
-    rows = [memory_check(plans, activations, cfg, gpu_gb, world_size)]
+    plans, flags, configured = memory_plan(model, small, task.loss_fn, cfg, world_size, gpus_per_node)
+    rows = [memory_check(plans, flags, configured, cfg, gpu_gb, world_size)]
+    if torch.cuda.is_available():
+        rows.append(gpu_sync_check(model, small, task.loss_fn, cfg))
     small = to_float64(small)  # the steps below on SAMPLES samples: a float64 step of a large model is slow
     rows.append(equivalence_check(copy.deepcopy(model).double(), small, task.loss_fn))
     rows.append(resume_check(lambda: built(task, cfg), halves(small), task.loss_fn, cfg))
+    rows.append(rank_data_check(task, cfg))
+    rows.append(sharding_check(task.build_model, model, cfg))
     rows += gradient_checks(model, batches, task.loss_fn, cfg)  # last: it turns the model to float64
     rows.append(host_sync_check([PROJECT / "model.py", PROJECT / "dataset.py"]))
     return rows, plans
@@ -365,7 +538,7 @@ def table(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = OneLineParser(add_help=False)
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0)
     parser.add_argument("--nodes", type=int, default=NODES)
     parser.add_argument("--gpus_per_node", type=int, default=GPUS_PER_NODE)

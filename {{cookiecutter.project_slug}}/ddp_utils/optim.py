@@ -22,17 +22,19 @@ def build_optimizer(model, cfg, device):
     return torch.optim.AdamW(groups, lr=cfg.lr, fused=device.type in ("cuda", "cpu"))
 
 
+@torch.no_grad()
 def clip_grad_norm(parameters, max_norm):
     """The global 2-norm of the parameters' gradients, which are scaled down to `max_norm` where
     it is larger; `max_norm` inf measures it only. The same arithmetic as
     torch.nn.utils.clip_grad_norm_ (the same result to the bit), without its grouping of the
     gradients by device and dtype on every call when they share one (most of its host time on
     a small model), and without multiplying every gradient by 1 when nothing can be clipped.
-    Anything else (FSDP's DTensors, several dtypes) goes to torch's."""
-    grads = [p.grad for p in parameters]
-    kinds = {(type(g), g.device.type, g.dtype) for g in grads}
-    if len(kinds) != 1 or next(iter(kinds))[:2] not in ((torch.Tensor, "cpu"), (torch.Tensor, "cuda")):
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # FSDP's DTensors, mixed dtypes
+    Anything else (FSDP's DTensors, several devices or dtypes) goes to torch's."""
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    kinds = {(type(g), g.device, g.dtype) for g in grads}
+    if len(kinds) != 1 or next(iter(kinds))[0] is not torch.Tensor or grads[0].device.type not in ("cpu", "cuda"):
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # FSDP's DTensors, several devices or dtypes
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     if max_norm != math.inf:
         # No `if norm > max_norm`: reading the norm would make the host wait for the device.

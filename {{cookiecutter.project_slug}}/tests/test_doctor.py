@@ -1,7 +1,13 @@
 """doctor.py: the task's own model and data pass (a warning at most), and each fault the doctor
 is for is named, injected into small models in this process."""
 
+import copy
+import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +16,7 @@ from torch import nn
 
 import doctor
 from config import parse_config
+from ddp_utils.contract import load_task
 
 
 def test_the_shipped_task_passes_the_doctor(tmp_path, capsys):
@@ -18,10 +25,10 @@ def test_the_shipped_task_passes_the_doctor(tmp_path, capsys):
     report = json.loads((tmp_path / "doctor.json").read_text())
     statuses = {row["check"]: row["status"] for row in report["checks"]}
     assert code == 0, printed
-    assert set(statuses) == {"memory plan", "1 vs 2 processes", "exact resume", "non-finite values",
-                             "unused parameters", "zero gradients", "host syncs"}  # fmt: skip
+    assert set(statuses) == {"memory plan", "1 vs 2 processes", "exact resume", "data per rank", "shard units",
+                             "non-finite values", "unused parameters", "zero gradients", "host syncs"}  # fmt: skip
     assert "fail" not in statuses.values(), printed
-    for name in ("memory plan", "1 vs 2 processes", "exact resume", "unused parameters"):
+    for name in ("memory plan", "1 vs 2 processes", "exact resume", "data per rank", "unused parameters"):
         assert statuses[name] == "pass", printed
     # 2 nodes of 2: ddp holds everything, fsdp a quarter of the model state, hsdp a half.
     plans = report["memory_bytes_per_gpu"]
@@ -96,17 +103,96 @@ def test_host_syncs_in_forward_or_the_loss_are_found(tmp_path):
 
 def test_a_model_too_big_for_the_gpu_gets_the_way_to_fit():
     """ddp holds 16 bytes a parameter: 8 million parameters do not fit 0.05 GB; sharded over 8
-    GPUs they do; on 1 GPU nothing fits."""
+    GPUs they do; on 1 GPU nothing fits. On 2 nodes of 4, --strategy fsdp is hybrid (a replica
+    a node) unless --replicate_degree 1 says otherwise."""
     model = nn.Sequential(*(nn.Linear(1000, 1000) for _ in range(8)))
+    batch = (torch.randn(4, 1000), None)
     cfg = cfg_for("--amp", "none")
-    plans, activations = doctor.memory_plan(model, (torch.randn(4, 1000), None), lambda o, b: o.sum(), cfg, 8, 8)
-    row = doctor.memory_check(plans, activations, cfg, 0.05, 8)
+    row = doctor.memory_check(*doctor.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 8, 8), cfg, 0.05, 8)
     assert row["status"] == "warn" and row["fix"] == "--strategy fsdp", row
-    # What each layer saves for backward: its input, 1000 values of 4 bytes a sample.
-    assert activations == pytest.approx(8 * 1000 * 4 * cfg.batch_size)
-    plans, activations = doctor.memory_plan(model, (torch.randn(4, 1000), None), lambda o, b: o.sum(), cfg, 1, 1)
-    row = doctor.memory_check(plans, activations, cfg, 0.05, 1)
+    plans, flags, configured = doctor.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 8, 4)
+    assert flags == {"ddp": "--strategy ddp", "fsdp": "--strategy fsdp --replicate_degree 1", "hsdp": "--strategy fsdp"}
+    assert configured == "ddp" and plans["hsdp"]["optimizer"] == 2 * plans["fsdp"]["optimizer"]
+    # Each layer's output, 1000 values of 4 bytes a sample: the next layer's saved input, the last the loss's.
+    assert plans["ddp"]["activations"] == pytest.approx(8 * 1000 * 4 * cfg.batch_size, rel=1e-5)
+    row = doctor.memory_check(*doctor.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 1, 1), cfg, 0.05, 1)
     assert row["status"] == "fail" and row["fix"].startswith("more GPUs with --strategy fsdp"), row
+
+
+def test_the_configured_strategy_is_the_one_judged():
+    """With --strategy fsdp the plan that must fit is fsdp's (hybrid by default on 2 nodes),
+    not ddp's."""
+    model = nn.Sequential(*(nn.Linear(1000, 1000) for _ in range(8)))
+    batch = (torch.randn(4, 1000), None)
+    cfg = cfg_for("--amp", "none", "--strategy", "fsdp")
+    plans, flags, configured = doctor.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 16, 8)
+    assert configured == "hsdp"
+    row = doctor.memory_check(plans, flags, configured, cfg, 0.05, 16)
+    assert row["status"] == "pass" and "hsdp fits" in row["summary"], row
+
+
+def test_activations_count_once_what_does_not_grow_with_the_batch():
+    """Under bf16 autocast the forward keeps a bf16 copy of each weight, whatever the batch:
+    the estimate for --batch_size 64 from 4 samples is what 64 samples measure, not 16 times
+    what 4 do."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    cfg = cfg_for("--amp", "bf16", "--batch_size", "64")
+    plans, _, _ = doctor.memory_plan(model, (torch.randn(4, 256), None), lambda o, b: o.sum(), cfg, 1, 1)
+    measured = max(doctor.activation_trace(model, (torch.randn(64, 256), None), lambda o, b: o.sum(), torch.bfloat16))
+    assert plans["ddp"]["activations"] == pytest.approx(measured, rel=0.01)
+    scaled = 16 * max(doctor.activation_trace(model, (torch.randn(4, 256), None), lambda o, b: o.sum(), torch.bfloat16))
+    assert measured > 2 * 256 * 256 * 2 and scaled > 2 * measured  # the copies, 16 times
+
+
+PEAK = """
+import json, sys
+import torch
+from torch.utils._pytree import tree_map_only
+import doctor
+from config import parse_config
+from ddp_utils.contract import model_inputs
+
+flags, amp = json.loads(sys.argv[1]), sys.argv[2]
+task, model, small, _ = doctor.build(parse_config(flags))
+
+
+def planned(samples):
+    cfg = parse_config([*flags, "--amp", amp, "--batch_size", str(samples)])
+    return doctor.activations_at(model, small, task.loss_fn, cfg)
+
+
+size = int(256e6 * 1000 / (planned(1001) - planned(1))) + 1  # samples for 256 MB or so
+repeats = -(-size // doctor.batch_size(small))
+batch = tree_map_only(torch.Tensor, lambda t: torch.cat([t] * repeats)[:size], small)
+
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) from here
+before = status("VmRSS:")
+with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
+    loss = task.loss_fn(model(model_inputs(batch)), batch)
+print(json.dumps({"planned": planned(size), "measured": status("VmHWM:") - before, "samples": size}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures the peak with Linux's /proc")
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_the_activation_estimate_is_the_measured_peak(amp, tmp_path):
+    """The memory plan's activations for a batch of about 256 MB, planned from 4 samples, are
+    within 25% of the growth of the process's peak resident memory in a forward and loss of
+    that batch (a fresh process; every large allocation its own mapping, returned when freed:
+    MALLOC_MMAP_THRESHOLD_)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PROJECT)}
+    flags = json.dumps([*TINY, "--output_dir", str(tmp_path)])
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK, flags, amp], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["planned"] == pytest.approx(result["measured"], rel=0.25), result
 
 
 class Normed(nn.Module):
@@ -174,3 +260,63 @@ def test_a_resume_that_is_not_exact_is_found(model, status):
     assert row["status"] == status, row
     if status == "fail":
         assert row["summary"] == "layer.weight differs after a resume" and "register_buffer" in row["fix"]
+
+
+class RankedData(torch.utils.data.Dataset):
+    """Rows of a table, chosen by the process's rank: `where` it reads the rank, torchrun's
+    RANK when built, or torch.distributed when a sample is read."""
+
+    def __init__(self, where):
+        self.where = where
+        self.offset = int(os.environ.get("RANK", 0)) if where == "built" else 0
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        rank = torch.distributed.get_rank() if self.where == "read" and torch.distributed.is_initialized() else 0
+        return torch.full((3,), float(index + self.offset + rank)), index % 2
+
+
+@pytest.mark.parametrize("where, status", [("built", "fail"), ("read", "fail"), ("nowhere", "pass")])
+def test_data_that_depends_on_the_rank_is_found(where, status):
+    task = dataclasses.replace(load_task(), build_datasets=lambda cfg: (RankedData(where), RankedData(where)))
+    row = doctor.rank_data_check(task, cfg_for())
+    assert row["status"] == status, row
+    assert "RANK" not in os.environ and not torch.distributed.is_initialized()  # as they were
+    if status == "fail":
+        assert (
+            row["summary"] == "training sample 0 differs between rank 0 and rank 1"
+            and "DistributedSampler" in row["fix"]
+        )
+
+
+class Scaled(nn.Module):
+    """A block with a parameter of its own and no reset_parameters(): nothing initialises it
+    on the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.gain = nn.Linear(8, 8), nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.layer(x) * self.gain
+
+
+@pytest.mark.parametrize(
+    "model, flags, status, named",
+    [
+        (
+            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)),
+            (),
+            "pass",
+            "2 Linear units of at most 67% of the parameters, 0% with",
+        ),
+        (Faulty("none"), (), "warn", "fsdp finds no blocks to shard one by one"),
+        (nn.Sequential(Scaled(), Scaled()), (), "warn", "on the meta device, 0 (Scaled) has parameters and no reset"),
+        (nn.Sequential(Scaled(), Scaled()), ("--init_on_meta", "true"), "fail", "0 (Scaled) has parameters"),
+    ],
+)
+def test_the_shard_units_and_a_module_the_meta_start_cannot_reach(model, flags, status, named):
+    row = doctor.sharding_check(lambda cfg: copy.deepcopy(model), model, cfg_for(*flags))
+    assert row["status"] == status and named in row["summary"], row

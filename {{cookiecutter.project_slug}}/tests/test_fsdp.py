@@ -164,7 +164,7 @@ def test_the_doctor_plans_the_model_state_each_process_held(runs):
     cfg = parse_config([*TINY, *ARGS, *TWO])
     with float64_default():  # as the runs were
         task, built, small, _ = doctor.build(cfg)
-        plans, _ = doctor.memory_plan(built, small, task.loss_fn, cfg, world_size=2, gpus_per_node=2)
+        plans, _, _ = doctor.memory_plan(built, small, task.loss_fn, cfg, world_size=2, gpus_per_node=2)
     for name in ("ddp", "fsdp"):
         planned = sum(plans[name][part] for part in ("parameters", "gradients", "optimizer")) / 2**20
         held = read_metrics(getattr(runs, name)[0])[-1]["model_state_mb"]

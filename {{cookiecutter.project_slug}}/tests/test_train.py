@@ -2,15 +2,17 @@
 
 import dataclasses
 import json
+import math
 import re
 
 import pytest
 import task
 import torch
-from conftest import LR, PROJECT, config_flags, flag_text, load_final_model, read_metrics, run_training
+from conftest import LR, PROJECT, TINY_CONFIG, config_flags, flag_text, load_final_model, read_metrics, run_training
 
 from config import Config
 from ddp_utils.checkpoint import same_optimizer_implementation
+from ddp_utils.optim import clip_grad_norm
 from model import build_model
 
 REQUIRED_METRICS = {"epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_samples", "samples_per_s"}
@@ -129,6 +131,31 @@ def test_resume_keeps_this_machines_optimizer_implementation():
     with same_optimizer_implementation(optimizer):
         optimizer.load_state_dict(saved)
     assert (optimizer.param_groups[0]["foreach"], optimizer.param_groups[0]["fused"]) == (False, None)
+
+
+@pytest.mark.parametrize("clipped", [True, False])
+def test_clipping_is_torchs_to_the_bit(clipped):
+    """optim.clip_grad_norm, the loop's own clipping, returns the norm and leaves the gradients
+    that torch.nn.utils.clip_grad_norm_ does, bit for bit, on the task's model (a parameter
+    without a gradient left out, as both do): small gradients clipped to a tenth of their norm,
+    where torch's 1e-6 beside the norm counts, and measured only (max_norm inf)."""
+    model = build_model(TINY_CONFIG)
+    gradients = torch.Generator().manual_seed(0)
+    for p in list(model.parameters())[1:]:
+        p.grad = 1e-3 * torch.randn(p.shape, generator=gradients)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for copy, p in zip(copies, model.parameters()):
+        copy.grad = None if p.grad is None else p.grad.clone()
+    max_norm = 0.1 * torch.nn.utils.get_total_norm([p.grad for p in copies if p.grad is not None]).item()
+    max_norm = max_norm if clipped else math.inf
+    before = [p.grad.clone() for p in copies if p.grad is not None]
+    theirs_norm = torch.nn.utils.clip_grad_norm_(copies, max_norm)
+    theirs = [p.grad for p in copies if p.grad is not None]
+    norm = clip_grad_norm(model.parameters(), max_norm)
+    assert torch.equal(norm, theirs_norm)
+    mine = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    assert clipped == any(not torch.equal(a, b) for a, b in zip(mine, before))  # scaled down when clipped
 
 
 @pytest.mark.fixed_amp

@@ -124,7 +124,9 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)
         self.num_batches_tracked += 1
         # momentum None: a cumulative average, its weight a tensor (no host sync to read the count).
-        momentum = self.momentum if self.momentum is not None else (1 / self.num_batches_tracked).to(x.dtype)
+        momentum = (
+            self.momentum if self.momentum is not None else (1 / self.num_batches_tracked).to(self.running_mean.dtype)
+        )
         return _SyncBatchNorm.apply(x, self.weight, self.bias, self.running_mean, self.running_var, momentum, self.eps)
 
 
