@@ -310,6 +310,22 @@ MUTANTS = [
         ("tests/test_doctor.py::test_the_configured_strategy_is_the_one_judged",),
     ),
     Mutant(
+        "doctor_fsdp_never_shards",
+        "doctor.py's fsdp check steps the plain model twice: FSDP is never applied",
+        "doctor.py",
+        "        sharded = build_strategy(cfg, context, build_model).model\n",
+        "        sharded = build_module(cfg, build_model, cpu, on_meta=cfg.init_on_meta)\n",
+        ("tests/test_doctor.py::test_a_parameter_used_outside_its_shard_unit_fails_under_fsdp",),
+    ),
+    Mutant(
+        "doctor_resume_skips_the_generators_position",
+        "doctor.py's resume compares weights and AdamW, not where the random generators stand",
+        "doctor.py",
+        "    for name, state in generators.items():\n",
+        "    for name, state in {}.items():\n",
+        ("tests/test_doctor.py::test_a_resume_that_is_not_exact_is_found",),
+    ),
+    Mutant(
         "clip_without_epsilon",
         "the loop's clipping divides by the norm without torch's 1e-6: not torch's result to the bit",
         "ddp_utils/optim.py",

@@ -17,6 +17,8 @@ the fix:
               torch.distributed's answers): data chosen by rank shows
   shard units  the blocks --strategy fsdp shards one by one, and a module nothing initialises
               on the meta device (--init_on_meta)
+  fsdp = ddp  one float64 AdamW step of the model under FSDP2 (a group of one process) against
+              the plain model's: a parameter used outside the shard unit that holds it shows
   gradients   one float64 forward and backward on a few training samples: parameters that get
               no gradient (DDP then needs --find_unused_parameters), gradient entries that are
               zero in exact arithmetic (AdamW turns their float32 rounding noise into full
@@ -30,9 +32,9 @@ the fix:
               and loss functions: each makes the host wait for the GPU every step. With a GPU,
               also a steady-state forward and backward under torch.cuda.set_sync_debug_mode
 
-All in one process: fsdp against ddp and the data position of a resume need the processes;
-the project's tests run them on your model (tests/test_correctness.py, test_resilience.py,
-test_fsdp.py).
+All in one process: sharding over several processes and the data position of a resume need
+them; the project's tests run those on your model (tests/test_correctness.py,
+test_resilience.py, test_fsdp.py).
 
 The report prints as a table and is written to OUTPUT_DIR/doctor.json; the exit status is 1
 when a check fails, 2 when the config or data is unusable.
@@ -41,6 +43,7 @@ when a check fails, 2 when the config or data is unusable.
 import ast
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -53,6 +56,7 @@ from unittest import mock
 
 import numpy as np
 import torch
+from torch import distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -61,9 +65,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from config import parse_config
 from ddp_utils.checkpoint import rng_state, set_rng_state
 from ddp_utils.contract import batch_size, load_task, model_inputs, to_device
+from ddp_utils.dist import DistContext
 from ddp_utils.knobs import ConfigError, InputError, OneLineParser, print_error
 from ddp_utils.optim import build_optimizer
-from ddp_utils.strategy import AMP_DTYPES, build_module, shard_units
+from ddp_utils.strategy import AMP_DTYPES, build_module, build_strategy, shard_units
 
 PROJECT = Path(__file__).resolve().parent
 NODES, GPUS_PER_NODE = {{ cookiecutter.num_nodes | int }}, {{ cookiecutter.gpus_per_node | int }}  # the job's size
@@ -138,7 +143,7 @@ def equivalence_check(model, batch, loss_fn):
 def resume_check(build_model, batches, loss_fn, cfg):
     """Two optimizer steps, against one step, a checkpoint as train.py saves it (the model's
     state_dict, AdamW's, the random generators) loaded into a freshly built model, and the
-    second step: bit for bit the same parameters and buffers."""
+    second step: bit for bit the same parameters, buffers, AdamW state and generators."""
 
     def start():
         torch.manual_seed(cfg.seed)  # as a new process builds it (train.py seeds), then its own stream
@@ -155,6 +160,7 @@ def resume_check(build_model, batches, loss_fn, cfg):
     torch.manual_seed(STREAM)
     for batch in batches:
         step(model, optimizer, batch)
+    expected = (model.state_dict(), optimizer.state_dict(), rng_state())
     set_rng_state(before)
     stopped, optimizer = start()
     torch.manual_seed(STREAM)
@@ -166,13 +172,29 @@ def resume_check(build_model, batches, loss_fn, cfg):
     optimizer.load_state_dict(saved["optimizer"])
     set_rng_state(saved["rng"])
     step(resumed, optimizer, batches[1])
+    got = (resumed.state_dict(), optimizer.state_dict(), rng_state())
     set_rng_state(before)
-    expected, got = model.state_dict(), resumed.state_dict()
-    for name, tensor in expected.items():
-        if not torch.equal(tensor, got[name]):
-            fix = ("keep every state in parameters or buffers (register_buffer), and draw random numbers from torch's "
-                   "global generator (the checkpoint saves it), not from one the model keeps")  # fmt: skip
+    names = {id(p): name for name, p in resumed.named_parameters()}
+    return resume_row(expected, got, [names[id(p)] for group in optimizer.param_groups for p in group["params"]])
+
+
+def resume_row(expected, got, names):
+    """What differs between the uninterrupted run and the resumed one, (state_dict, optimizer
+    state_dict, random generators) each, named: the first parameter or buffer, else AdamW's
+    state of the first parameter (`names`, in the optimizer's order), else a generator."""
+    fix = ("keep every state in parameters or buffers (register_buffer), and draw random numbers from torch's "
+           "global generator (the checkpoint saves it), not from one the model keeps")  # fmt: skip
+    (weights, adam, generators), (weights_got, adam_got, generators_got) = expected, got
+    for name, tensor in weights.items():
+        if not torch.equal(tensor, weights_got[name]):
             return check("exact resume", "fail", f"{name} differs after a resume", fix)
+    for index, state in adam["state"].items():
+        if not same(state, adam_got["state"].get(index)):
+            return check("exact resume", "fail", f"AdamW's state of {names[index]} differs after a resume", fix)
+    for name, state in generators.items():
+        if not same(state, generators_got.get(name)):
+            return check("exact resume", "fail", f"the {name} random generator's position differs after a resume",
+                         "draw the same random numbers whatever the state the checkpoint does not hold")  # fmt: skip
     return check("exact resume", "pass", "a step after a save and load equals the uninterrupted step, bit for bit")
 
 
@@ -438,6 +460,47 @@ def sharding_check(build_model, model, cfg):
     return check("shard units", "pass", f"{summary}; every module starts on the meta device too")
 
 
+def fsdp_check(build_model, batch, loss_fn, cfg):
+    """One AdamW step of the model as --strategy fsdp builds it (FSDP2 over a group of one
+    process, this one: every parameter a DTensor that each unit's hooks gather) against the
+    same step of the plain model, in float64: a parameter used outside the unit that holds
+    it, or a step that differs, shows."""
+    try:
+        cfg = dataclasses.replace(cfg, strategy="fsdp", amp="none", replicate_degree=1, async_checkpoint=False)
+    except ConfigError as error:
+        return check("fsdp = ddp", "warn", f"not checked: {error}")
+    if dist.is_initialized():
+        return check("fsdp = ddp", "warn", "not checked: run the doctor as python doctor.py, not under torchrun")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the models built in float64, as the tests' runs
+    try:
+        cpu = torch.device("cpu")
+        plain = build_module(cfg, build_model, cpu, on_meta=cfg.init_on_meta)
+        context = DistContext(rank=0, local_rank=0, world_size=1, device=cpu, store=store)
+        sharded = build_strategy(cfg, context, build_model).model
+        for model in (plain, sharded):
+            optimizer = build_optimizer(model, cfg, cpu)
+            loss_fn(model(model_inputs(batch)), batch).backward()
+            optimizer.step()
+        for (name, expected), got in zip(plain.named_parameters(), sharded.parameters()):
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            if (expected - got).abs().max().item() > 1e-10 * (expected.abs().max().item() or 1.0):
+                return check("fsdp = ddp", "fail", f"{name} differs after a step under fsdp", FSDP_FIX)
+    except Exception as error:  # the model's own code under FSDP: whatever it raises is the finding
+        why = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return check("fsdp = ddp", "fail", f"a step under fsdp raises {type(error).__name__}: {why}"[:300], FSDP_FIX)
+    finally:
+        torch.set_default_dtype(previous)
+        dist.destroy_process_group()
+    return check("fsdp = ddp", "pass", "a step under fsdp (FSDP2, one process) equals the plain step to 1e-10")
+
+
+FSDP_FIX = ("use each parameter only in the forward of the shard unit that holds it (a weight shared between "
+            "blocks belongs to the whole model: keep it out of shard_units())")  # fmt: skip
+
+
 # --- host syncs --------------------------------------------------------------------------------
 
 
@@ -526,6 +589,7 @@ def diagnose(cfg, gpu_gb, world_size, gpus_per_node):
     rows.append(resume_check(lambda: built(task, cfg), halves(small), task.loss_fn, cfg))
     rows.append(rank_data_check(task, cfg))
     rows.append(sharding_check(task.build_model, model, cfg))
+    rows.append(fsdp_check(task.build_model, small, task.loss_fn, cfg))
     rows += gradient_checks(model, batches, task.loss_fn, cfg)  # last: it turns the model to float64
     rows.append(host_sync_check([PROJECT / "model.py", PROJECT / "dataset.py"]))
     return rows, plans

@@ -25,10 +25,12 @@ def test_the_shipped_task_passes_the_doctor(tmp_path, capsys):
     report = json.loads((tmp_path / "doctor.json").read_text())
     statuses = {row["check"]: row["status"] for row in report["checks"]}
     assert code == 0, printed
-    assert set(statuses) == {"memory plan", "1 vs 2 processes", "exact resume", "data per rank", "shard units",
-                             "non-finite values", "unused parameters", "zero gradients", "host syncs"}  # fmt: skip
+    checks = ["memory plan", *(["host syncs on the GPU"] if torch.cuda.is_available() else [])]
+    checks += ["1 vs 2 processes", "exact resume", "data per rank", "shard units", "fsdp = ddp"]
+    checks += ["non-finite values", "unused parameters", "zero gradients", "host syncs"]
+    assert list(statuses) == checks
     assert "fail" not in statuses.values(), printed
-    for name in ("memory plan", "1 vs 2 processes", "exact resume", "data per rank", "unused parameters"):
+    for name in ("memory plan", "1 vs 2 processes", "exact resume", "data per rank", "fsdp = ddp", "unused parameters"):
         assert statuses[name] == "pass", printed
     # 2 nodes of 2: ddp holds everything, fsdp a quarter of the model state, hsdp a half.
     plans = report["memory_bytes_per_gpu"]
@@ -36,6 +38,33 @@ def test_the_shipped_task_passes_the_doctor(tmp_path, capsys):
     assert state["fsdp"] == pytest.approx(state["ddp"] / 4) and state["hsdp"] == pytest.approx(state["ddp"] / 2)
     assert plans["ddp"]["activations"] > 0
     assert "| memory plan | PASS |" in printed
+
+
+class WithUnused(nn.Module):
+    """The task's model with a parameter its forward never uses."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.unused = inner, nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_fail_exits_1_and_bad_input_2(tmp_path, monkeypatch, capsys):
+    """The task's model and data with an unused parameter: the report names it and the exit
+    status is 1. A bad doctor flag or train.py flag: one error line, exit status 2."""
+    task = load_task()
+    wrapped = dataclasses.replace(task, build_model=lambda cfg: WithUnused(task.build_model(cfg)))
+    monkeypatch.setattr(doctor, "load_task", lambda: wrapped)
+    assert doctor.main([*TINY, "--output_dir", str(tmp_path)]) == 1
+    rows = {row["check"]: row for row in json.loads((tmp_path / "doctor.json").read_text())["checks"]}
+    assert rows["unused parameters"]["status"] == "fail" and "unused.weight" in rows["unused parameters"]["summary"]
+    for flags, error in [(["--nodes", "0"], "--nodes 0: must be positive"), (["--lr", "-1"], "--lr")]:
+        done = subprocess.run([sys.executable, "doctor.py", *TINY, "--output_dir", str(tmp_path), *flags],
+                              cwd=PROJECT, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2 and done.stderr.startswith(f"error: {error}"), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 def cfg_for(*flags):
@@ -234,7 +263,7 @@ class Stateful(nn.Module):
     """`draw`: where its randomness comes from; `count`: a Python attribute its output depends on."""
 
     def __init__(self, draw=None, count=False):
-        super().__init__()
+        super().__init__()  # draw="aside": a number drawn on odd calls only, which the output ignores
         self.layer, self.draw, self.count, self.calls = nn.Linear(8, 4), draw, count, 0
         self.generator = torch.Generator().manual_seed(0)
 
@@ -244,22 +273,28 @@ class Stateful(nn.Module):
             x = x + torch.randn(x.shape, dtype=x.dtype)
         if self.draw == "own":
             x = x + torch.randn(x.shape, dtype=x.dtype, generator=self.generator)
+        if self.draw == "aside" and self.calls % 2:
+            torch.rand(1)
         return self.layer(x) * (self.calls if self.count else 1)
 
 
+WEIGHT_DIFFERS = "layer.weight differs after a resume"
+
+
 @pytest.mark.parametrize(
-    "model, status",
+    "model, summary",
     [
-        (dict(draw="global"), "pass"),  # torch's generator: the checkpoint saves and restores it
-        (dict(draw="own"), "fail"),
-        (dict(count=True), "fail"),
+        (dict(draw="global"), None),  # torch's generator: the checkpoint saves and restores it
+        (dict(draw="own"), WEIGHT_DIFFERS),
+        (dict(count=True), WEIGHT_DIFFERS),
+        (dict(draw="aside"), "the torch random generator's position differs after a resume"),
     ],
 )
-def test_a_resume_that_is_not_exact_is_found(model, status):
+def test_a_resume_that_is_not_exact_is_found(model, summary):
     row = doctor.resume_check(lambda: Stateful(**model), doctor.halves(doctor.to_float64(BATCH)), loss_fn, cfg_for())
-    assert row["status"] == status, row
-    if status == "fail":
-        assert row["summary"] == "layer.weight differs after a resume" and "register_buffer" in row["fix"]
+    assert row["status"] == ("fail" if summary else "pass"), row
+    if summary:
+        assert row["summary"] == summary and row["fix"], row
 
 
 class RankedData(torch.utils.data.Dataset):
@@ -320,3 +355,26 @@ class Scaled(nn.Module):
 def test_the_shard_units_and_a_module_the_meta_start_cannot_reach(model, flags, status, named):
     row = doctor.sharding_check(lambda cfg: copy.deepcopy(model), model, cfg_for(*flags))
     assert row["status"] == status and named in row["summary"], row
+
+
+class Reaching(nn.Module):
+    """Two blocks (the shard units); with `reach`, the second also reads the first one's weight,
+    which under fsdp is gathered only during the first block's forward."""
+
+    def __init__(self, reach):
+        super().__init__()
+        self.reach, self.blocks = reach, nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 4)])
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        out = self.blocks[1](h)
+        return out + (x @ self.blocks[0].weight.T)[:, :4] if self.reach else out
+
+
+@pytest.mark.parametrize("reach, status", [(False, "pass"), (True, "fail")])
+def test_a_parameter_used_outside_its_shard_unit_fails_under_fsdp(reach, status):
+    row = doctor.fsdp_check(lambda cfg: Reaching(reach), doctor.to_float64(BATCH), loss_fn, cfg_for())
+    assert row["status"] == status, row
+    if status == "fail":
+        assert row["summary"].startswith("a step under fsdp raises") and "shard unit" in row["fix"], row
+    assert not torch.distributed.is_initialized() and torch.get_default_dtype() == torch.float32  # as they were
