@@ -326,6 +326,22 @@ MUTANTS = [
         ("tests/test_doctor.py::test_a_resume_that_is_not_exact_is_found",),
     ),
     Mutant(
+        "doctor_fsdp_steps_draw_other_dropout",
+        "doctor.py's fsdp check draws the plain and the sharded step's dropout from one stream: a false fail",
+        "doctor.py",
+        "                torch.manual_seed(STREAM)  # the same dropout in both\n",
+        "",
+        ("tests/test_doctor.py::test_a_parameter_used_outside_its_shard_unit_fails_under_fsdp",),
+    ),
+    Mutant(
+        "doctor_data_compares_nan_as_different",
+        "doctor.py compares samples with torch.equal alone: a NaN in the data is a false fail",
+        "doctor.py",
+        "    return torch.equal(x, y) or (x.is_floating_point() and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))\n",
+        "    return torch.equal(x, y)\n",
+        ("tests/test_doctor.py::test_data_that_depends_on_the_rank_is_found",),
+    ),
+    Mutant(
         "clip_without_epsilon",
         "the loop's clipping divides by the norm without torch's 1e-6: not torch's result to the bit",
         "ddp_utils/optim.py",

@@ -49,6 +49,7 @@ import json
 import math
 import os
 import sys
+import traceback
 import warnings
 import weakref
 from pathlib import Path
@@ -66,6 +67,7 @@ from config import parse_config
 from ddp_utils.checkpoint import rng_state, set_rng_state
 from ddp_utils.contract import batch_size, load_task, model_inputs, to_device
 from ddp_utils.dist import DistContext
+from ddp_utils.faults import TrainingError
 from ddp_utils.knobs import ConfigError, InputError, OneLineParser, print_error
 from ddp_utils.optim import build_optimizer
 from ddp_utils.strategy import AMP_DTYPES, build_module, build_strategy, shard_units
@@ -155,27 +157,36 @@ def resume_check(build_model, batches, loss_fn, cfg):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    before = rng_state()  # torch's, Python's and NumPy's generators: each run starts from them
-    model, optimizer = start()
-    torch.manual_seed(STREAM)
-    for batch in batches:
-        step(model, optimizer, batch)
-    expected = (model.state_dict(), optimizer.state_dict(), rng_state())
-    set_rng_state(before)
-    stopped, optimizer = start()
-    torch.manual_seed(STREAM)
-    step(stopped, optimizer, batches[0])
-    saved = copy.deepcopy({"model": stopped.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state()})
-    resumed, optimizer = start()
-    torch.manual_seed(STREAM + 1)  # the new process's stream, until the checkpoint's is restored
-    resumed.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    set_rng_state(saved["rng"])
-    step(resumed, optimizer, batches[1])
-    got = (resumed.state_dict(), optimizer.state_dict(), rng_state())
-    set_rng_state(before)
+    with generators_kept() as before:  # torch's, Python's and NumPy's: each run starts from them
+        model, optimizer = start()
+        torch.manual_seed(STREAM)
+        for batch in batches:
+            step(model, optimizer, batch)
+        expected = (model.state_dict(), optimizer.state_dict(), rng_state())
+        set_rng_state(before)
+        stopped, optimizer = start()
+        torch.manual_seed(STREAM)
+        step(stopped, optimizer, batches[0])
+        saved = copy.deepcopy({"model": stopped.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state()})
+        resumed, optimizer = start()
+        torch.manual_seed(STREAM + 1)  # the new process's stream, until the checkpoint's is restored
+        resumed.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        set_rng_state(saved["rng"])
+        step(resumed, optimizer, batches[1])
+        got = (resumed.state_dict(), optimizer.state_dict(), rng_state())
     names = {id(p): name for name, p in resumed.named_parameters()}
     return resume_row(expected, got, [names[id(p)] for group in optimizer.param_groups for p in group["params"]])
+
+
+@contextlib.contextmanager
+def generators_kept():
+    """torch's, Python's and NumPy's random generators as they were, however the block ends."""
+    before = rng_state()
+    try:
+        yield before
+    finally:
+        set_rng_state(before)
 
 
 def resume_row(expected, got, names):
@@ -186,7 +197,7 @@ def resume_row(expected, got, names):
            "global generator (the checkpoint saves it), not from one the model keeps")  # fmt: skip
     (weights, adam, generators), (weights_got, adam_got, generators_got) = expected, got
     for name, tensor in weights.items():
-        if not torch.equal(tensor, weights_got[name]):
+        if not same(tensor, weights_got[name]):
             return check("exact resume", "fail", f"{name} differs after a resume", fix)
     for index, state in adam["state"].items():
         if not same(state, adam_got["state"].get(index)):
@@ -213,14 +224,18 @@ def rank_data_check(task, cfg):
     """The training set rank 0 and rank 1 of 2 build, and the first, middle and last samples
     of each (drawn with the same random state): the same, as the DistributedSampler splits
     one dataset between the ranks."""
-    before, built = rng_state(), []
-    for rank in (0, 1):
-        with as_rank(rank, 2):
-            set_rng_state(before)
-            train_set, _ = task.build_datasets(cfg)
-            indices = sorted({0, 1, len(train_set) // 2, len(train_set) - 1} & set(range(len(train_set))))
-            built.append((len(train_set), {i: train_set[i] for i in indices}))
-    set_rng_state(before)
+    built = []
+    try:
+        with generators_kept() as before:
+            for rank in (0, 1):
+                with as_rank(rank, 2):
+                    set_rng_state(before)
+                    train_set, _ = task.build_datasets(cfg)
+                    indices = sorted({0, 1, len(train_set) // 2, len(train_set) - 1} & set(range(len(train_set))))
+                    built.append((len(train_set), {i: train_set[i] for i in indices}))
+    except Exception as error:  # a dataset that calls collectives (a barrier) needs the processes
+        why = f"{type(error).__name__}: {first_line(error)}"
+        return check("data per rank", "warn", f"not checked: building it as rank {len(built)} of 2 raised {why}")
     (size, samples), (other_size, others) = built
     fix = "build the same dataset on every rank: train.py's DistributedSampler gives each rank its share"
     if size != other_size:
@@ -232,12 +247,22 @@ def rank_data_check(task, cfg):
 
 
 def same(a, b):
+    """Bit for bit the same (NaN included), for tensors, arrays and what holds them."""
     (leaves, spec), (others, other_spec) = tree_flatten(a), tree_flatten(b)
-    if spec != other_spec:
+    return spec == other_spec and all(map(same_leaf, leaves, others))
+
+
+def same_leaf(x, y):
+    if not isinstance(x, (torch.Tensor, np.ndarray)):
+        return x == y or (x != x and y != y)  # NaN
+    x, y = torch.as_tensor(x), torch.as_tensor(y)
+    if x.shape != y.shape or x.dtype != y.dtype:
         return False
-    arrays = (torch.Tensor, np.ndarray)
-    return all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) if isinstance(x, arrays) else x == y
-               for x, y in zip(leaves, others))  # fmt: skip
+    return torch.equal(x, y) or (x.is_floating_point() and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
+
+
+def first_line(error):
+    return (str(error).strip().splitlines() or [""])[0][:200]
 
 
 # --- gradients ---------------------------------------------------------------------------------
@@ -330,7 +355,8 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(out)[0]:
-            storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
+            strided = isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided  # sparse ones have none
+            storage = tensor.untyped_storage() if strided else None
             if storage is None or storage in self.held or id(storage) in inputs:
                 continue  # a view of what exists already
             self.held[storage] = weakref.ref(storage, functools.partial(self.free, storage.nbytes()))
@@ -405,11 +431,13 @@ def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node):
         }
         if shards > 1:  # a unit gathered for its forward or backward and the next one prefetched; one unit's gradients
             plans[name]["gathered"] = largest_unit * (2 * compute + element)
-        elif not cfg.gradient_as_bucket_view:
+        elif name == "ddp" and not cfg.gradient_as_bucket_view:
             plans[name]["buckets"] = trainable  # DDP's buckets, a second copy of the gradients
         flags[name] = flag
     if cfg.strategy == "ddp":
         configured = "ddp"
+    elif world_size % default:
+        configured = None  # training refuses it (ddp_utils.strategy.hsdp_replicas)
     else:
         configured = "fsdp" if default == 1 else "hsdp" if "hsdp" in plans and hsdp == default else "ddp"
     return plans, flags, configured
@@ -422,6 +450,9 @@ def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
                         for name, total in totals.items())  # fmt: skip
     summary += f" per GPU at {world_size} GPUs, --batch_size {cfg.batch_size}, --amp {cfg.amp}"
     fits = {name: total <= 0.9 * gpu_gb for name, total in totals.items()}  # a tenth to fragmentation, the context
+    if configured is None:
+        why = f"--replicate_degree {cfg.replicate_degree} does not divide the {world_size} GPUs"
+        return check("memory plan", "fail", f"{summary}: {why}", "a --replicate_degree that divides them")
     if fits[configured]:
         return check("memory plan", "pass", f"{summary}: {configured} fits {gpu_gb:g} GB")
     activations = plans[configured]["activations"] / gb
@@ -471,26 +502,33 @@ def fsdp_check(build_model, batch, loss_fn, cfg):
         return check("fsdp = ddp", "warn", f"not checked: {error}")
     if dist.is_initialized():
         return check("fsdp = ddp", "warn", "not checked: run the doctor as python doctor.py, not under torchrun")
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # the models built in float64, as the tests' runs
     try:
-        cpu = torch.device("cpu")
-        plain = build_module(cfg, build_model, cpu, on_meta=cfg.init_on_meta)
-        context = DistContext(rank=0, local_rank=0, world_size=1, device=cpu, store=store)
-        sharded = build_strategy(cfg, context, build_model).model
-        for model in (plain, sharded):
-            optimizer = build_optimizer(model, cfg, cpu)
-            loss_fn(model(model_inputs(batch)), batch).backward()
-            optimizer.step()
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    except Exception as error:
+        return check("fsdp = ddp", "warn", f"not checked: gloo does not start here ({first_line(error)})")
+    try:
+        with generators_kept():
+            torch.set_default_dtype(torch.float64)  # the models built in float64, as the tests' runs
+            cpu = torch.device("cpu")
+            plain = build_module(cfg, build_model, cpu, on_meta=cfg.init_on_meta)
+            context = DistContext(rank=0, local_rank=0, world_size=1, device=cpu, store=store)
+            sharded = build_strategy(cfg, context, build_model).model
+            for model in (plain, sharded):
+                torch.manual_seed(STREAM)  # the same dropout in both
+                optimizer = build_optimizer(model, cfg, cpu)
+                loss_fn(model(model_inputs(batch)), batch).backward()
+                optimizer.step()
         for (name, expected), got in zip(plain.named_parameters(), sharded.parameters()):
             got = got.full_tensor() if hasattr(got, "full_tensor") else got
             if (expected - got).abs().max().item() > 1e-10 * (expected.abs().max().item() or 1.0):
                 return check("fsdp = ddp", "fail", f"{name} differs after a step under fsdp", FSDP_FIX)
+    except (TrainingError, ConfigError) as error:  # a setting --strategy fsdp refuses: it names the flag
+        return check("fsdp = ddp", "fail" if cfg.strategy == "fsdp" else "warn", f"--strategy fsdp refuses: {error}")
     except Exception as error:  # the model's own code under FSDP: whatever it raises is the finding
-        why = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return check("fsdp = ddp", "fail", f"a step under fsdp raises {type(error).__name__}: {why}"[:300], FSDP_FIX)
+        why = f"a step under fsdp raises {type(error).__name__}: {first_line(error)}"
+        return check("fsdp = ddp", "fail", why, FSDP_FIX)
     finally:
         torch.set_default_dtype(previous)
         dist.destroy_process_group()
@@ -527,30 +565,52 @@ def host_sync_check(paths):
 def gpu_sync_check(model, batch, loss_fn, cfg):
     """On a GPU, a forward, loss and backward after a first one (the steady state: no lazy
     initialisation left), under torch.cuda.set_sync_debug_mode("warn"): every operation that
-    makes the host wait for the GPU warns, from the line that called it."""
+    makes the host wait for the GPU warns; each is named by the innermost line of the
+    project's code that led to it (a sync in backward warns once backward is over: named as
+    in backward)."""
     device, amp_dtype = torch.device("cuda"), AMP_DTYPES[cfg.amp]
-    model, batch = copy.deepcopy(model).to(device).train(), to_device(batch, device)
+    found = set()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        ours = [frame for frame in traceback.extract_stack()[:-1] if in_project(frame.filename)]
+        found.add(f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "in backward")
 
     def step():
         with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = loss_fn(model(model_inputs(batch)), batch)
         loss.backward()
 
-    step()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    found = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        model, batch = copy.deepcopy(model).to(device).train(), to_device(batch, device)
+        step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+    except Exception as error:  # out of memory on a small GPU, a CPU tensor made in forward...
+        return check("host syncs on the GPU", "warn", f"not checked: a step raises {type(error).__name__}: "
+                     f"{first_line(error)}")  # fmt: skip
     if not found:
         return check("host syncs on the GPU", "pass", "a steady-state forward and backward never waits for the GPU")
+    found = sorted(found)
     more = f" and {len(found) - 3} more" if len(found) > 3 else ""
     fix = "keep tensors on the device in forward and the loss (no .item(), no Python branch on a tensor's value)"
     return check("host syncs on the GPU", "warn", f"the host waits for the GPU at {', '.join(found[:3])}{more}", fix)
+
+
+def in_project(filename):
+    """A file of the project's own (model.py, dataset.py, its tests), not the doctor or torch."""
+    path = Path(filename).resolve()
+    installed = {".venv", "venv", "site-packages"} & set(path.parts)
+    return path.is_relative_to(PROJECT) and path != Path(__file__).resolve() and not installed
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -585,14 +645,26 @@ def diagnose(cfg, gpu_gb, world_size, gpus_per_node):
     if torch.cuda.is_available():
         rows.append(gpu_sync_check(model, small, task.loss_fn, cfg))
     small = to_float64(small)  # the steps below on SAMPLES samples: a float64 step of a large model is slow
-    rows.append(equivalence_check(copy.deepcopy(model).double(), small, task.loss_fn))
-    rows.append(resume_check(lambda: built(task, cfg), halves(small), task.loss_fn, cfg))
+    rows += attempt("1 vs 2 processes", equivalence_check, copy.deepcopy(model).double(), small, task.loss_fn)
+    rows += attempt("exact resume", resume_check, lambda: built(task, cfg), halves(small), task.loss_fn, cfg)
     rows.append(rank_data_check(task, cfg))
-    rows.append(sharding_check(task.build_model, model, cfg))
+    rows += attempt("shard units", sharding_check, task.build_model, model, cfg)
     rows.append(fsdp_check(task.build_model, small, task.loss_fn, cfg))
-    rows += gradient_checks(model, batches, task.loss_fn, cfg)  # last: it turns the model to float64
+    rows += attempt("gradients", gradient_checks, model, batches, task.loss_fn, cfg)  # last: the model to float64
     rows.append(host_sync_check([PROJECT / "model.py", PROJECT / "dataset.py"]))
     return rows, plans
+
+
+def attempt(name, run, *args):
+    """The rows of `run(*args)`, or one that says what the model raised (in float64, say):
+    the report goes on to the other checks."""
+    try:
+        rows = run(*args)
+    except InputError:
+        raise
+    except Exception as error:
+        return [check(name, "warn", f"not checked: it raises {type(error).__name__}: {first_line(error)}")]
+    return rows if isinstance(rows, list) else [rows]
 
 
 def table(rows):
@@ -622,7 +694,9 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     report = {"checks": rows, "memory_bytes_per_gpu": plans, "gpu_memory_gb": own.gpu_memory_gb,
               "world_size": own.nodes * own.gpus_per_node}  # fmt: skip
-    (out / "doctor.json").write_text(json.dumps(report, indent=2) + "\n")
+    partial = out / "doctor.json.partial"  # never a half-written report
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    partial.replace(out / "doctor.json")
     print(f"\nwritten to {out / 'doctor.json'}")
     return 1 if any(row["status"] == "fail" for row in rows) else 0
 

@@ -3,6 +3,7 @@ is for is named, injected into small models in this process."""
 
 import copy
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -158,6 +159,9 @@ def test_the_configured_strategy_is_the_one_judged():
     assert configured == "hsdp"
     row = doctor.memory_check(plans, flags, configured, cfg, 0.05, 16)
     assert row["status"] == "pass" and "hsdp fits" in row["summary"], row
+    cfg = cfg_for("--amp", "none", "--strategy", "fsdp", "--replicate_degree", "3")
+    row = doctor.memory_check(*doctor.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 16, 8), cfg, 0.05, 16)
+    assert row["status"] == "fail" and "--replicate_degree 3 does not divide the 16 GPUs" in row["summary"], row
 
 
 def test_activations_count_once_what_does_not_grow_with_the_batch():
@@ -299,21 +303,27 @@ def test_a_resume_that_is_not_exact_is_found(model, summary):
 
 class RankedData(torch.utils.data.Dataset):
     """Rows of a table, chosen by the process's rank: `where` it reads the rank, torchrun's
-    RANK when built, or torch.distributed when a sample is read."""
+    RANK when built, or torch.distributed when a sample is read; or none, with a NaN in each
+    row, or waiting for rank 0 in a barrier when built."""
 
     def __init__(self, where):
         self.where = where
         self.offset = int(os.environ.get("RANK", 0)) if where == "built" else 0
+        if where == "barrier" and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # rank 0 downloads, the others wait: needs the processes
 
     def __len__(self):
         return 8
 
     def __getitem__(self, index):
         rank = torch.distributed.get_rank() if self.where == "read" and torch.distributed.is_initialized() else 0
-        return torch.full((3,), float(index + self.offset + rank)), index % 2
+        nan = float("nan") if self.where == "nan" else 0.0  # the same NaN on both ranks: the same data
+        return torch.tensor([float(index + self.offset + rank), nan]), index % 2
 
 
-@pytest.mark.parametrize("where, status", [("built", "fail"), ("read", "fail"), ("nowhere", "pass")])
+@pytest.mark.parametrize(
+    "where, status", [("built", "fail"), ("read", "fail"), ("nowhere", "pass"), ("nan", "pass"), ("barrier", "warn")]
+)
 def test_data_that_depends_on_the_rank_is_found(where, status):
     task = dataclasses.replace(load_task(), build_datasets=lambda cfg: (RankedData(where), RankedData(where)))
     row = doctor.rank_data_check(task, cfg_for())
@@ -371,10 +381,49 @@ class Reaching(nn.Module):
         return out + (x @ self.blocks[0].weight.T)[:, :4] if self.reach else out
 
 
-@pytest.mark.parametrize("reach, status", [(False, "pass"), (True, "fail")])
+@pytest.mark.parametrize("reach, status", [(False, "pass"), (True, "fail"), ("dropout", "pass")])
 def test_a_parameter_used_outside_its_shard_unit_fails_under_fsdp(reach, status):
-    row = doctor.fsdp_check(lambda cfg: Reaching(reach), doctor.to_float64(BATCH), loss_fn, cfg_for())
+    """With dropout both steps draw the same masks: they still agree."""
+    dropped = lambda cfg: nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))  # noqa: E731
+    build = dropped if reach == "dropout" else (lambda cfg: Reaching(reach))
+    state = torch.get_rng_state()
+    row = doctor.fsdp_check(build, doctor.to_float64(BATCH), loss_fn, cfg_for())
+    assert torch.equal(torch.get_rng_state(), state)
     assert row["status"] == status, row
     if status == "fail":
         assert row["summary"].startswith("a step under fsdp raises") and "shard unit" in row["fix"], row
     assert not torch.distributed.is_initialized() and torch.get_default_dtype() == torch.float32  # as they were
+
+
+class Syncing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.layer(x) / x.abs().sum().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: set_sync_debug_mode is CUDA's")
+def test_a_host_sync_on_the_gpu_is_named_by_its_line():
+    lines, first = inspect.getsourcelines(Syncing.forward)
+    line = first + next(i for i, text in enumerate(lines) if ".item()" in text)
+    row = doctor.gpu_sync_check(Syncing(), BATCH, loss_fn, cfg_for("--amp", "none"))
+    assert row["status"] == "warn" and row["summary"].startswith(f"the host waits for the GPU at test_doctor.py:{line}")
+    assert doctor.gpu_sync_check(nn.Linear(8, 4), BATCH, loss_fn, cfg_for("--amp", "none"))["status"] == "pass"
+
+
+class Float32Only(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.layer(x.float())  # fails on float64 weights
+
+
+def test_a_model_that_cannot_run_a_check_gets_a_warning_and_the_report_goes_on():
+    (row,) = doctor.attempt("1 vs 2 processes", doctor.equivalence_check, Float32Only().double(),
+                            doctor.to_float64(BATCH), loss_fn)  # fmt: skip
+    assert row["check"] == "1 vs 2 processes" and row["status"] == "warn", row
+    assert row["summary"].startswith("not checked: it raises RuntimeError"), row
