@@ -342,6 +342,14 @@ MUTANTS = [
         ("tests/test_doctor.py::test_data_that_depends_on_the_rank_is_found",),
     ),
     Mutant(
+        "doctor_processes_without_ddp",
+        "doctor.py's 2 processes run the bare module: no gradient all-reduce, rank 0's half compared",
+        "doctor.py",
+        "        loss_fn(strategy.model(model_inputs(shares[rank])), shares[rank]).backward()\n",
+        "        loss_fn(strategy.module(model_inputs(shares[rank])), shares[rank]).backward()\n",
+        ("tests/test_doctor.py::test_two_gloo_processes_under_ddp_find_what_one_cannot",),
+    ),
+    Mutant(
         "clip_without_epsilon",
         "the loop's clipping divides by the norm without torch's 1e-6: not torch's result to the bit",
         "ddp_utils/optim.py",

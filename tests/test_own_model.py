@@ -1,8 +1,8 @@
 """A model the generated project's tests have never seen, dropped into its model.py (as a user
 would: tests/own_model/, nn.TransformerEncoder with a zero-initialised head, no sharding hints):
 it keeps its initial weights under ddp and fsdp, fsdp trains what ddp trains, training is
-the same on 1 and 2 processes, a SIGTERM'd run resumes exactly, and the project's own tests
-of these guarantees pass with it."""
+the same on 1 and 2 processes, a SIGTERM'd run resumes exactly, the doctor finds nothing to
+fail, and the project's own tests of these guarantees pass with it."""
 
 import shutil
 from pathlib import Path
@@ -20,6 +20,7 @@ GUARANTEES = [
     "tests/test_correctness.py::test_world_size_and_accumulation_give_the_same_parameters",
     "tests/test_preemption.py::test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact[2]",
     "tests/test_resilience.py::test_checkpoint_of_another_model_shape_is_refused",
+    "tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",
 ]
 
 

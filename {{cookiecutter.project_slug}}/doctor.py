@@ -1,15 +1,18 @@
 """Check your own model and data on a laptop, before renting GPUs:
 
-    python doctor.py [train.py flags]                    # one process; no GPU needed
+    python doctor.py [train.py flags]                    # on the CPU; no GPU needed
     python doctor.py --gpu_memory_gb 40 --nodes 4 --gpus_per_node 8 --batch_size 64
 
 The model and data are built from the same config as training (config.py; model.py and
 dataset.py through the task contract) and each check reports pass, warn or fail, with why and
 the fix:
 
-  1 vs 2 processes  in float64, a batch's gradients against those of its halves, averaged as
-              DDP and accumulation do: a batch norm without synchronisation or a loss that is
-              not the mean per sample shows, named by the first parameter that differs
+  1 vs 2 processes  in float64, a batch's gradients and buffers in this process against 2
+              gloo processes under DDP (as training wraps the model) with half of it each: a
+              batch norm without synchronisation or a loss that is not the mean per sample
+              shows, named by the first parameter that differs (where the 2 processes cannot
+              start, the same arithmetic in this process: the halves' gradients averaged, as
+              DDP and accumulation make them)
   exact resume  two AdamW steps against one, a checkpoint's state loaded into a freshly built
               model, and the second: state kept outside parameters and buffers, or random
               numbers from a generator the model keeps, show
@@ -32,9 +35,10 @@ the fix:
               and loss functions: each makes the host wait for the GPU every step. With a GPU,
               also a steady-state forward and backward under torch.cuda.set_sync_debug_mode
 
-All in one process: sharding over several processes and the data position of a resume need
-them; the project's tests run those on your model (tests/test_correctness.py,
-test_resilience.py, test_fsdp.py).
+The 2 processes are the doctor's only ones, ended before it reports. Several optimizer steps
+over real data loaders, sharding over several processes and the data position of a resume
+are what the project's tests run on your model (tests/test_correctness.py, test_resilience.py,
+test_fsdp.py).
 
 The report prints as a table and is written to OUTPUT_DIR/doctor.json; the exit status is 1
 when a check fails, 2 when the config or data is unusable.
@@ -48,7 +52,11 @@ import functools
 import json
 import math
 import os
+import pickle
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
 import warnings
 import weakref
@@ -129,17 +137,131 @@ def equivalence_check(model, batch, loss_fn):
     for name, grad in whole.items():
         scale = grad.abs().max().item() or 1.0
         if name not in split or (grad - split[name]).abs().max().item() > 1e-10 * scale:
-            batch_norm = nn.modules.batchnorm._BatchNorm
-            norms = [n for n, m in model.named_modules() if isinstance(m, batch_norm) and m.training]
-            cause, fix = (
-                (f"{norms[0]} normalises each process's share with its own statistics",
-                 "nn.SyncBatchNorm.convert_sync_batchnorm(model) (or a norm per sample: LayerNorm, GroupNorm)")
-                if norms else
-                ("the loss is not the mean over the batch's samples (a sum, or a mean over a count that differs "
-                 "between ranks)", "return the mean per sample from loss_fn: DDP averages the ranks' gradients")
-            )  # fmt: skip
+            cause, fix = cause_of_difference(model)
             return check("1 vs 2 processes", "fail", f"{name}'s gradient differs: {cause}", fix)
     return check("1 vs 2 processes", "pass", "the gradients of a batch and of its halves agree to 1e-10 (float64)")
+
+
+def processes_check(build_model, batch, loss_fn, cfg):
+    """The real thing: 2 gloo processes, each with half of `batch` in the model as training
+    wraps it (DDP, its buffer broadcast, synchronised batch norms really synchronising), and
+    this process with all of it, in float64: one forward and backward each, the gradients
+    DDP averaged and the buffers against this process's. As in equivalence_check, dropout is
+    off (the models in eval mode but for their batch norms). The processes are spawned and
+    gone when it returns (killed if they have not ended in PROCESSES_TIMEOUT s)."""
+    shares = halves(batch)
+    if batch_size(shares[0]) == 0:
+        return check("1 vs 2 processes", "warn", "not checked: the training set has fewer than 2 samples")
+    cfg = dataclasses.replace(cfg, strategy="ddp", amp="none", comm_hook="none", find_unused_parameters=True)
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        (folder / "path.json").write_text(json.dumps(sys.path))  # where this process finds the model's code
+        with open(folder / "job.pkl", "wb") as job:
+            pickle.dump((cfg, build_model, loss_fn, shares), job)
+        processes = []
+        try:
+            for rank in (0, 1):
+                with open(folder / f"rank{rank}.log", "w") as log:  # torch's own lines stay out of the report
+                    processes.append(subprocess.Popen([sys.executable, "-c", RANK_MAIN, str(folder), str(rank)],
+                                                      stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+            deadline = time.monotonic() + PROCESSES_TIMEOUT
+            while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in processes):
+                    break  # one failed: the other would wait for it in a collective
+                time.sleep(0.05)
+        finally:
+            for process in processes:
+                process.kill()  # one that has exited is left as it is
+                process.wait()
+        errors = sorted(folder.glob("rank*.error"))
+        if errors:
+            why = errors[0].read_text()
+            return check("1 vs 2 processes", "fail", f"under DDP, {errors[0].stem} raises {why}", "")
+        if not (folder / "rank0.pt").exists():
+            log = (folder / "rank0.log").read_text().strip().splitlines()
+            why = f"not checked: the 2 processes did not finish ({log[-1] if log else f'{PROCESSES_TIMEOUT} s'})"
+            return check("1 vs 2 processes", "warn", why[:300])
+        split = torch.load(folder / "rank0.pt", weights_only=True)
+    with generators_kept():
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            model = build_module(cfg, build_model, torch.device("cpu"), on_meta=cfg.init_on_meta)
+            without_dropout(model)
+            whole = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
+            loss_fn(model(model_inputs(whole)), whole).backward()
+        finally:
+            torch.set_default_dtype(previous)
+    compared = [("gradient", {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, "gradients"),
+                ("buffer", dict(model.named_buffers()), "buffers")]  # fmt: skip
+    for kind, expected, key in compared:
+        for name, tensor in expected.items():
+            got = split[key].get(name)
+            scale = tensor.abs().max().item() or 1.0
+            if got is None or (tensor - got).abs().max().item() > 1e-10 * scale:
+                cause, fix = cause_of_difference(model)
+                return check("1 vs 2 processes", "fail", f"{name}'s {kind} differs under DDP: {cause}", fix)
+    return check("1 vs 2 processes", "pass", "2 gloo processes under DDP and 1 agree to 1e-10 (float64): gradients, "
+                 "buffers")  # fmt: skip
+
+
+PROCESSES_TIMEOUT = 120  # seconds for the 2 processes of processes_check: spawned, they import torch first
+
+
+# The command of each of processes_check's 2 processes: the model's code found as this process
+# finds it, then rank_gradients.
+RANK_MAIN = "import json, sys; sys.path[:0] = json.load(open(sys.argv[1] + '/path.json')); import doctor; " \
+            "doctor.rank_gradients(sys.argv[1], int(sys.argv[2]))"  # fmt: skip
+
+
+def rank_gradients(folder, rank):
+    """One of processes_check's 2 processes: its gradients (DDP's average) and buffers, from
+    rank 0, to FOLDER/rank0.pt; what it raised to FOLDER/rank<N>.error."""
+    folder = Path(folder)
+    try:
+        with open(folder / "job.pkl", "rb") as job:
+            cfg, build_model, loss_fn, shares = pickle.load(job)
+        torch.set_default_dtype(torch.float64)
+        store = dist.FileStore(str(folder / "store"), 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        cpu = torch.device("cpu")
+        context = DistContext(rank=rank, local_rank=rank, world_size=2, device=cpu, store=store, local_world_size=2)
+        strategy = build_strategy(cfg, context, build_model)
+        without_dropout(strategy.module)
+        loss_fn(strategy.model(model_inputs(shares[rank])), shares[rank]).backward()
+        if rank == 0:
+            gradients = {n: p.grad for n, p in strategy.module.named_parameters() if p.grad is not None}
+            torch.save({"gradients": gradients, "buffers": dict(strategy.module.named_buffers())},
+                       folder / "rank0.pt.partial")  # fmt: skip
+            (folder / "rank0.pt.partial").replace(folder / "rank0.pt")
+        dist.destroy_process_group()
+    except Exception as error:
+        (folder / f"rank{rank}.error").write_text(f"{type(error).__name__}: {first_line(error)}")
+        sys.exit(1)
+
+
+def without_dropout(model):
+    """Eval mode (dropout, however the model applies it, draws otherwise on other ranks) but
+    for the batch norms, whose training-mode statistics are what differs between 1 process
+    and 2."""
+    model.eval()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.train()
+
+
+def cause_of_difference(model):
+    """The likely cause of a difference between 1 process and 2, and its fix."""
+    batch_norm, synced = nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm
+    norms = [name for name, module in model.named_modules()
+             if isinstance(module, batch_norm) and module.training and not isinstance(module, synced)
+             and not getattr(module, "same_buffers_on_every_rank", False)]  # fmt: skip
+    if norms:
+        fix = "nn.SyncBatchNorm.convert_sync_batchnorm(model) (or a norm per sample: LayerNorm, GroupNorm)"
+        return f"{norms[0]} normalises each process's share with its own statistics", fix
+    return ("the loss is not the mean over the batch's samples (a sum, or a mean over a count that differs between "
+            "ranks), or the model draws or reads something that depends on the rank",
+            "return the mean per sample from loss_fn: DDP averages the ranks' gradients")  # fmt: skip
 
 
 def resume_check(build_model, batches, loss_fn, cfg):
@@ -645,7 +767,11 @@ def diagnose(cfg, gpu_gb, world_size, gpus_per_node):
     if torch.cuda.is_available():
         rows.append(gpu_sync_check(model, small, task.loss_fn, cfg))
     small = to_float64(small)  # the steps below on SAMPLES samples: a float64 step of a large model is slow
-    rows += attempt("1 vs 2 processes", equivalence_check, copy.deepcopy(model).double(), small, task.loss_fn)
+    processes = attempt("1 vs 2 processes", processes_check, task.build_model, small, task.loss_fn, cfg)
+    if processes[0]["status"] == "warn":  # the processes could not run here: the same arithmetic in this one
+        processes = attempt("1 vs 2 processes", equivalence_check, copy.deepcopy(model).double(), small, task.loss_fn)
+        processes[0]["summary"] = f"in one process: {processes[0]['summary']}"
+    rows += processes
     rows += attempt("exact resume", resume_check, lambda: built(task, cfg), halves(small), task.loss_fn, cfg)
     rows.append(rank_data_check(task, cfg))
     rows += attempt("shard units", sharding_check, task.build_model, model, cfg)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROJECT, TINY
+from conftest import PROJECT, TINY, descendants
+from doctor_models import Normed, linear, loss_fn, loss_per_class_present, normed
 from torch import nn
 
 import doctor
@@ -91,10 +92,6 @@ class Faulty(nn.Module):
         if self.fault == "not_finite":
             out = out / 0.0
         return out
-
-
-def loss_fn(output, batch):
-    return nn.functional.cross_entropy(output, batch[1])
 
 
 BATCH = (torch.randn(6, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3, 0, 1]))
@@ -228,22 +225,6 @@ def test_the_activation_estimate_is_the_measured_peak(amp, tmp_path):
     assert result["planned"] == pytest.approx(result["measured"], rel=0.25), result
 
 
-class Normed(nn.Module):
-    """A batch norm without synchronisation: each process normalises its share alone."""
-
-    def __init__(self):
-        super().__init__()
-        self.layer, self.norm = nn.Linear(8, 4), nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        return self.norm(self.layer(x))
-
-
-def loss_per_class_present(output, batch):
-    """Divided by a count that differs between the ranks' shares (the classes each holds)."""
-    return nn.functional.cross_entropy(output, batch[1], reduction="sum") / batch[1].unique().numel()
-
-
 @pytest.mark.parametrize(
     "build_model, loss, named",
     [
@@ -254,6 +235,23 @@ def loss_per_class_present(output, batch):
 def test_what_one_process_cannot_tell_from_two_is_named(build_model, loss, named):
     row = doctor.equivalence_check(build_model().double(), doctor.to_float64(BATCH), loss)
     assert row["status"] == "fail" and named in row["summary"], row
+
+
+@pytest.mark.parametrize(
+    "build_model, loss, named",
+    [
+        (normed, loss_fn, "norm normalises each process's share"),
+        (linear, loss_per_class_present, "the loss is not the mean over the batch's samples"),
+        (linear, loss_fn, None),
+    ],
+)
+def test_two_gloo_processes_under_ddp_find_what_one_cannot(build_model, loss, named):
+    """The same faults, in 2 real processes (DDP, gloo) against this one; none left behind."""
+    before = set(descendants(os.getpid()))
+    row = doctor.processes_check(build_model, doctor.to_float64(BATCH), loss, cfg_for())
+    assert set(descendants(os.getpid())) == before
+    assert row["status"] == ("fail" if named else "pass"), row
+    assert named is None or named in row["summary"], row
 
 
 def test_a_synchronised_norm_and_a_plain_model_are_the_same_on_one_process_and_two():

@@ -134,7 +134,7 @@ class _SyncBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
         channels = x.shape[1]
-        xf = x.float()  # statistics in fp32, also under autocast
+        xf = at_least_float32(x)  # statistics in fp32 at least, also under autocast
         # One all-reduce of [sum | sum of squares | count] per channel: the global mean and variance.
         # (Sums, not each rank's mean: ranks may hold different numbers of samples, even none.)
         stats = torch.cat([xf.sum((0, 2, 3)), xf.square().sum((0, 2, 3)), xf.new_full((1,), xf.numel() / channels)])
@@ -154,8 +154,8 @@ class _SyncBatchNorm(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, mean, invstd, count = ctx.saved_tensors
         channels = x.shape[1]
-        x_hat = (x.float() - mean[:, None, None]) * invstd[:, None, None]
-        grad_out = grad_out.float()
+        x_hat = (at_least_float32(x) - mean[:, None, None]) * invstd[:, None, None]
+        grad_out = at_least_float32(grad_out)
         local = torch.cat([grad_out.sum((0, 2, 3)), (grad_out * x_hat).sum((0, 2, 3))])
         grad_bias, grad_weight = local.split(channels)  # this rank's share: DDP averages them like any gradient
         # The input gradient depends on every sample of the global batch through the mean and
@@ -168,6 +168,11 @@ class _SyncBatchNorm(torch.autograd.Function):
         # Each rank returns its samples' gradient of the global-batch statistics; DDP's average of
         # the parameter gradients then equals one process's gradient of the whole batch.
         return grad_x.to(x.dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None, None, None, None
+
+
+def at_least_float32(tensor):
+    """fp16 and bf16 as float32; float64 (the tests' exact runs) kept."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
 
 
 def sync_batchnorms(module):
