@@ -347,7 +347,7 @@ MUTANTS = [
         "doctor.py",
         "        loss_fn(strategy.model(model_inputs(shares[rank])), shares[rank]).backward()\n",
         "        loss_fn(strategy.module(model_inputs(shares[rank])), shares[rank]).backward()\n",
-        ("tests/test_doctor.py::test_two_gloo_processes_under_ddp_find_what_one_cannot",),
+        ("tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",),
     ),
     Mutant(
         "clip_without_epsilon",
