@@ -256,7 +256,7 @@ MUTANTS = [
     Mutant(
         "doctor_misses_unused_parameters",
         "doctor.py reports every parameter as used",
-        "doctor.py",
+        "ddp_utils/doctor_checks.py",
         "    unused = [name for name, p in named if p.grad is None]\n",
         "    unused = []\n",
         ("tests/test_doctor.py::test_each_fault_is_named",),
@@ -264,7 +264,7 @@ MUTANTS = [
     Mutant(
         "doctor_resume_forgets_the_generators",
         "doctor.py's resume loads the model and AdamW but not the random generators",
-        "doctor.py",
+        "ddp_utils/doctor_equivalence.py",
         '    set_rng_state(saved["rng"])\n',
         "",
         ("tests/test_doctor.py::test_a_resume_that_is_not_exact_is_found",),
@@ -272,7 +272,7 @@ MUTANTS = [
     Mutant(
         "doctor_ranks_sum_their_gradients",
         "doctor.py's 2-process gradients are the ranks' sum, not DDP's average",
-        "doctor.py",
+        "ddp_utils/doctor_equivalence.py",
         "        (loss_fn(model(model_inputs(batch)), batch) / len(batches)).backward()\n",
         "        loss_fn(model(model_inputs(batch)), batch).backward()\n",
         ("tests/test_doctor.py::test_a_synchronised_norm_and_a_plain_model_are_the_same_on_one_process_and_two",),
@@ -280,7 +280,7 @@ MUTANTS = [
     Mutant(
         "doctor_plans_fsdp_unsharded",
         "doctor.py's memory plan gives fsdp the whole model state on every GPU",
-        "doctor.py",
+        "ddp_utils/doctor_memory.py",
         '"fsdp": (world_size,',
         '"fsdp": (1,',
         (f"{FSDP}::test_the_doctor_plans_the_model_state_each_process_held",),
@@ -288,15 +288,15 @@ MUTANTS = [
     Mutant(
         "doctor_data_ignores_the_rank",
         "doctor.py builds the training set as rank 0 twice",
-        "doctor.py",
-        "    for rank in (0, 1):\n",
-        "    for rank in (0, 0):\n",
+        "ddp_utils/doctor_equivalence.py",
+        "            for rank in (0, 1):\n                with as_rank(rank, 2):\n",
+        "            for rank in (0, 0):\n                with as_rank(rank, 2):\n",
         ("tests/test_doctor.py::test_data_that_depends_on_the_rank_is_found",),
     ),
     Mutant(
         "doctor_scales_activations_with_the_batch",
         "doctor.py scales a few samples' activations to --batch_size, autocast's weight copies included",
-        "doctor.py",
+        "ddp_utils/doctor_memory.py",
         "    if len(half) != len(whole):\n",
         "    if True:\n",
         ("tests/test_doctor.py::test_activations_count_once_what_does_not_grow_with_the_batch",),
@@ -304,7 +304,7 @@ MUTANTS = [
     Mutant(
         "doctor_judges_ddp_whatever_the_strategy",
         "doctor.py's memory plan asks whether ddp fits, whatever --strategy says",
-        "doctor.py",
+        "ddp_utils/doctor_memory.py",
         '    if cfg.strategy == "ddp":\n',
         "    if True:\n",
         ("tests/test_doctor.py::test_the_configured_strategy_is_the_one_judged",),
@@ -312,7 +312,7 @@ MUTANTS = [
     Mutant(
         "doctor_fsdp_never_shards",
         "doctor.py's fsdp check steps the plain model twice: FSDP is never applied",
-        "doctor.py",
+        "ddp_utils/doctor_equivalence.py",
         "        sharded = build_strategy(cfg, context, build_model).model\n",
         "        sharded = build_module(cfg, build_model, cpu, on_meta=cfg.init_on_meta)\n",
         ("tests/test_doctor.py::test_a_parameter_used_outside_its_shard_unit_fails_under_fsdp",),
@@ -320,7 +320,7 @@ MUTANTS = [
     Mutant(
         "doctor_resume_skips_the_generators_position",
         "doctor.py's resume compares weights and AdamW, not where the random generators stand",
-        "doctor.py",
+        "ddp_utils/doctor_equivalence.py",
         "    for name, state in generators.items():\n",
         "    for name, state in {}.items():\n",
         ("tests/test_doctor.py::test_a_resume_that_is_not_exact_is_found",),
@@ -328,7 +328,7 @@ MUTANTS = [
     Mutant(
         "doctor_fsdp_steps_draw_other_dropout",
         "doctor.py's fsdp check draws the plain and the sharded step's dropout from one stream: a false fail",
-        "doctor.py",
+        "ddp_utils/doctor_equivalence.py",
         "                torch.manual_seed(STREAM)  # the same dropout in both\n",
         "",
         ("tests/test_doctor.py::test_a_parameter_used_outside_its_shard_unit_fails_under_fsdp",),
@@ -336,7 +336,7 @@ MUTANTS = [
     Mutant(
         "doctor_data_compares_nan_as_different",
         "doctor.py compares samples with torch.equal alone: a NaN in the data is a false fail",
-        "doctor.py",
+        "ddp_utils/doctor_checks.py",
         "    return torch.equal(x, y) or (x.is_floating_point() and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))\n",
         "    return torch.equal(x, y)\n",
         ("tests/test_doctor.py::test_data_that_depends_on_the_rank_is_found",),
@@ -344,7 +344,7 @@ MUTANTS = [
     Mutant(
         "doctor_processes_without_ddp",
         "doctor.py's 2 processes run the bare module: no gradient all-reduce, rank 0's half compared",
-        "doctor.py",
+        "ddp_utils/doctor_equivalence.py",
         "        loss_fn(strategy.model(model_inputs(shares[rank])), shares[rank]).backward()\n",
         "        loss_fn(strategy.module(model_inputs(shares[rank])), shares[rank]).backward()\n",
         ("tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",),

@@ -6,6 +6,9 @@ through contract.py (the task contract). Each module has one job, on one floor; 
 imports only from the modules listed below it:
 
     inputs.py        what must hold before a run writes anything: data, trackers (check_inputs)
+    doctor_equivalence.py  doctor.py: 1 vs 2 processes, an exact resume, data per rank, fsdp = ddp
+    doctor_memory.py       doctor.py: the memory plan per GPU, activations measured
+    doctor_checks.py       doctor.py's rows; gradients, shard units, host syncs
     checkpoint.py    the Checkpointer: choose, load, save, the resume position, random generators
     evaluation.py    the Validator: the task's metrics over the whole validation set
     metrics.py       the Meter and Reporter: metrics.jsonl, progress bar, step timing, loss lines, MFU

@@ -18,6 +18,7 @@ from torch import nn
 
 import doctor
 from config import parse_config
+from ddp_utils import doctor_checks, doctor_equivalence, doctor_memory
 from ddp_utils.contract import load_task
 
 
@@ -106,13 +107,17 @@ BATCH = (torch.randn(6, 8, generator=torch.Generator().manual_seed(0)), torch.te
     ],
 )
 def test_each_fault_is_named(fault, check, status, named):
-    rows = {row["check"]: row for row in doctor.gradient_checks(Faulty(fault), (BATCH, BATCH), loss_fn, cfg_for())}
+    rows = {
+        row["check"]: row for row in doctor_checks.gradient_checks(Faulty(fault), (BATCH, BATCH), loss_fn, cfg_for())
+    }
     assert rows[check]["status"] == status and named in rows[check]["summary"], rows[check]
     assert rows[check]["fix"]
 
 
 def test_unused_parameters_only_warn_when_ddp_is_told():
-    rows = doctor.gradient_checks(Faulty("none"), (BATCH, BATCH), loss_fn, cfg_for("--find_unused_parameters", "true"))
+    rows = doctor_checks.gradient_checks(
+        Faulty("none"), (BATCH, BATCH), loss_fn, cfg_for("--find_unused_parameters", "true")
+    )
     (row,) = [row for row in rows if row["check"] == "unused parameters"]
     assert row["status"] == "warn"
 
@@ -123,7 +128,7 @@ def test_host_syncs_in_forward_or_the_loss_are_found(tmp_path):
         "class M:\n    def forward(self, x):\n        n = x.sum().item()\n        return x / n\n\n\n"
         "def loss_fn(output, batch):\n    return output.mean().cpu()\n\n\ndef report(x):\n    return x.tolist()\n"
     )
-    row = doctor.host_sync_check([model, PROJECT / "dataset.py"])
+    row = doctor_checks.host_sync_check([model, PROJECT / "dataset.py"])
     assert row["status"] == "warn"
     assert row["summary"] == "model.py:3 .item() in forward; model.py:8 .cpu() in loss_fn"  # not report()'s
 
@@ -135,14 +140,18 @@ def test_a_model_too_big_for_the_gpu_gets_the_way_to_fit():
     model = nn.Sequential(*(nn.Linear(1000, 1000) for _ in range(8)))
     batch = (torch.randn(4, 1000), None)
     cfg = cfg_for("--amp", "none")
-    row = doctor.memory_check(*doctor.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 8, 8), cfg, 0.05, 8)
+    row = doctor_memory.memory_check(
+        *doctor_memory.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 8, 8), cfg, 0.05, 8
+    )
     assert row["status"] == "warn" and row["fix"] == "--strategy fsdp", row
-    plans, flags, configured = doctor.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 8, 4)
+    plans, flags, configured = doctor_memory.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 8, 4)
     assert flags == {"ddp": "--strategy ddp", "fsdp": "--strategy fsdp --replicate_degree 1", "hsdp": "--strategy fsdp"}
     assert configured == "ddp" and plans["hsdp"]["optimizer"] == 2 * plans["fsdp"]["optimizer"]
     # Each layer's output, 1000 values of 4 bytes a sample: the next layer's saved input, the last the loss's.
     assert plans["ddp"]["activations"] == pytest.approx(8 * 1000 * 4 * cfg.batch_size, rel=1e-5)
-    row = doctor.memory_check(*doctor.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 1, 1), cfg, 0.05, 1)
+    row = doctor_memory.memory_check(
+        *doctor_memory.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 1, 1), cfg, 0.05, 1
+    )
     assert row["status"] == "fail" and row["fix"].startswith("more GPUs with --strategy fsdp"), row
 
 
@@ -152,12 +161,14 @@ def test_the_configured_strategy_is_the_one_judged():
     model = nn.Sequential(*(nn.Linear(1000, 1000) for _ in range(8)))
     batch = (torch.randn(4, 1000), None)
     cfg = cfg_for("--amp", "none", "--strategy", "fsdp")
-    plans, flags, configured = doctor.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 16, 8)
+    plans, flags, configured = doctor_memory.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 16, 8)
     assert configured == "hsdp"
-    row = doctor.memory_check(plans, flags, configured, cfg, 0.05, 16)
+    row = doctor_memory.memory_check(plans, flags, configured, cfg, 0.05, 16)
     assert row["status"] == "pass" and "hsdp fits" in row["summary"], row
     cfg = cfg_for("--amp", "none", "--strategy", "fsdp", "--replicate_degree", "3")
-    row = doctor.memory_check(*doctor.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 16, 8), cfg, 0.05, 16)
+    row = doctor_memory.memory_check(
+        *doctor_memory.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 16, 8), cfg, 0.05, 16
+    )
     assert row["status"] == "fail" and "--replicate_degree 3 does not divide the 16 GPUs" in row["summary"], row
 
 
@@ -167,10 +178,14 @@ def test_activations_count_once_what_does_not_grow_with_the_batch():
     what 4 do."""
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
     cfg = cfg_for("--amp", "bf16", "--batch_size", "64")
-    plans, _, _ = doctor.memory_plan(model, (torch.randn(4, 256), None), lambda o, b: o.sum(), cfg, 1, 1)
-    measured = max(doctor.activation_trace(model, (torch.randn(64, 256), None), lambda o, b: o.sum(), torch.bfloat16))
+    plans, _, _ = doctor_memory.memory_plan(model, (torch.randn(4, 256), None), lambda o, b: o.sum(), cfg, 1, 1)
+    measured = max(
+        doctor_memory.activation_trace(model, (torch.randn(64, 256), None), lambda o, b: o.sum(), torch.bfloat16)
+    )
     assert plans["ddp"]["activations"] == pytest.approx(measured, rel=0.01)
-    scaled = 16 * max(doctor.activation_trace(model, (torch.randn(4, 256), None), lambda o, b: o.sum(), torch.bfloat16))
+    scaled = 16 * max(
+        doctor_memory.activation_trace(model, (torch.randn(4, 256), None), lambda o, b: o.sum(), torch.bfloat16)
+    )
     assert measured > 2 * 256 * 256 * 2 and scaled > 2 * measured  # the copies, 16 times
 
 
@@ -180,7 +195,8 @@ import torch
 from torch.utils._pytree import tree_map_only
 import doctor
 from config import parse_config
-from ddp_utils.contract import model_inputs
+from ddp_utils import doctor_memory
+from ddp_utils.contract import batch_size, model_inputs
 
 flags, amp = json.loads(sys.argv[1]), sys.argv[2]
 task, model, small, _ = doctor.build(parse_config(flags))
@@ -188,11 +204,11 @@ task, model, small, _ = doctor.build(parse_config(flags))
 
 def planned(samples):
     cfg = parse_config([*flags, "--amp", amp, "--batch_size", str(samples)])
-    return doctor.activations_at(model, small, task.loss_fn, cfg)
+    return doctor_memory.activations_at(model, small, task.loss_fn, cfg)
 
 
 size = int(256e6 * 1000 / (planned(1001) - planned(1))) + 1  # samples for 256 MB or so
-repeats = -(-size // doctor.batch_size(small))
+repeats = -(-size // batch_size(small))
 batch = tree_map_only(torch.Tensor, lambda t: torch.cat([t] * repeats)[:size], small)
 
 
@@ -233,7 +249,7 @@ def test_the_activation_estimate_is_the_measured_peak(amp, tmp_path):
     ],
 )
 def test_what_one_process_cannot_tell_from_two_is_named(build_model, loss, named):
-    row = doctor.equivalence_check(build_model().double(), doctor.to_float64(BATCH), loss)
+    row = doctor_equivalence.equivalence_check(build_model().double(), doctor_checks.to_float64(BATCH), loss)
     assert row["status"] == "fail" and named in row["summary"], row
 
 
@@ -248,7 +264,7 @@ def test_two_gloo_processes_under_ddp_find_what_one_cannot(build_model, loss, na
     """The same faults, in 2 real processes (DDP, gloo) against this one; none left behind.
     (That a model without them passes, the task's own, is test_the_shipped_task_passes_the_doctor.)"""
     before = set(descendants(os.getpid()))
-    row = doctor.processes_check(build_model, doctor.to_float64(BATCH), loss, cfg_for())
+    row = doctor_equivalence.processes_check(build_model, doctor_checks.to_float64(BATCH), loss, cfg_for())
     assert set(descendants(os.getpid())) == before
     assert row["status"] == "fail" and named in row["summary"], row
 
@@ -257,7 +273,10 @@ def test_a_synchronised_norm_and_a_plain_model_are_the_same_on_one_process_and_t
     synced = Normed()
     synced.norm.same_buffers_on_every_rank = True  # as the vision task's SyncBatchNorm2d says
     for model in (synced, nn.Linear(8, 4)):
-        assert doctor.equivalence_check(model.double(), doctor.to_float64(BATCH), loss_fn)["status"] == "pass"
+        assert (
+            doctor_equivalence.equivalence_check(model.double(), doctor_checks.to_float64(BATCH), loss_fn)["status"]
+            == "pass"
+        )
 
 
 class Stateful(nn.Module):
@@ -292,7 +311,9 @@ WEIGHT_DIFFERS = "layer.weight differs after a resume"
     ],
 )
 def test_a_resume_that_is_not_exact_is_found(model, summary):
-    row = doctor.resume_check(lambda: Stateful(**model), doctor.halves(doctor.to_float64(BATCH)), loss_fn, cfg_for())
+    row = doctor_equivalence.resume_check(
+        lambda: Stateful(**model), doctor_checks.halves(doctor_checks.to_float64(BATCH)), loss_fn, cfg_for()
+    )
     assert row["status"] == ("fail" if summary else "pass"), row
     if summary:
         assert row["summary"] == summary and row["fix"], row
@@ -323,7 +344,7 @@ class RankedData(torch.utils.data.Dataset):
 )
 def test_data_that_depends_on_the_rank_is_found(where, status):
     task = dataclasses.replace(load_task(), build_datasets=lambda cfg: (RankedData(where), RankedData(where)))
-    row = doctor.rank_data_check(task, cfg_for())
+    row = doctor_equivalence.rank_data_check(task, cfg_for())
     assert row["status"] == status, row
     assert "RANK" not in os.environ and not torch.distributed.is_initialized()  # as they were
     if status == "fail":
@@ -360,7 +381,7 @@ class Scaled(nn.Module):
     ],
 )
 def test_the_shard_units_and_a_module_the_meta_start_cannot_reach(model, flags, status, named):
-    row = doctor.sharding_check(lambda cfg: copy.deepcopy(model), model, cfg_for(*flags))
+    row = doctor_checks.sharding_check(lambda cfg: copy.deepcopy(model), model, cfg_for(*flags))
     assert row["status"] == status and named in row["summary"], row
 
 
@@ -384,7 +405,7 @@ def test_a_parameter_used_outside_its_shard_unit_fails_under_fsdp(reach, status)
     dropped = lambda cfg: nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))  # noqa: E731
     build = dropped if reach == "dropout" else (lambda cfg: Reaching(reach))
     state = torch.get_rng_state()
-    row = doctor.fsdp_check(build, doctor.to_float64(BATCH), loss_fn, cfg_for())
+    row = doctor_equivalence.fsdp_check(build, doctor_checks.to_float64(BATCH), loss_fn, cfg_for())
     assert torch.equal(torch.get_rng_state(), state)
     assert row["status"] == status, row
     if status == "fail":
@@ -405,9 +426,9 @@ class Syncing(nn.Module):
 def test_a_host_sync_on_the_gpu_is_named_by_its_line():
     lines, first = inspect.getsourcelines(Syncing.forward)
     line = first + next(i for i, text in enumerate(lines) if ".item()" in text)
-    row = doctor.gpu_sync_check(Syncing(), BATCH, loss_fn, cfg_for("--amp", "none"))
+    row = doctor_checks.gpu_sync_check(Syncing(), BATCH, loss_fn, cfg_for("--amp", "none"))
     assert row["status"] == "warn" and row["summary"].startswith(f"the host waits for the GPU at test_doctor.py:{line}")
-    assert doctor.gpu_sync_check(nn.Linear(8, 4), BATCH, loss_fn, cfg_for("--amp", "none"))["status"] == "pass"
+    assert doctor_checks.gpu_sync_check(nn.Linear(8, 4), BATCH, loss_fn, cfg_for("--amp", "none"))["status"] == "pass"
 
 
 class Float32Only(nn.Module):
@@ -420,7 +441,7 @@ class Float32Only(nn.Module):
 
 
 def test_a_model_that_cannot_run_a_check_gets_a_warning_and_the_report_goes_on():
-    (row,) = doctor.attempt("1 vs 2 processes", doctor.equivalence_check, Float32Only().double(),
-                            doctor.to_float64(BATCH), loss_fn)  # fmt: skip
+    (row,) = doctor.attempt("1 vs 2 processes", doctor_equivalence.equivalence_check, Float32Only().double(),
+                            doctor_checks.to_float64(BATCH), loss_fn)  # fmt: skip
     assert row["check"] == "1 vs 2 processes" and row["status"] == "warn", row
     assert row["summary"].startswith("not checked: it raises RuntimeError"), row

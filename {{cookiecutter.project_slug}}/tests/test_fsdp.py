@@ -30,6 +30,7 @@ import doctor
 import export
 import model
 from config import Config, parse_config
+from ddp_utils import doctor_memory
 from ddp_utils.checkpoint_files import check_sharded_checkpoint
 from ddp_utils.contract import load_task, model_inputs
 from ddp_utils.dist import DistContext
@@ -164,7 +165,7 @@ def test_the_doctor_plans_the_model_state_each_process_held(runs):
     cfg = parse_config([*TINY, *ARGS, *TWO])
     with float64_default():  # as the runs were
         task, built, small, _ = doctor.build(cfg)
-        plans, _, _ = doctor.memory_plan(built, small, task.loss_fn, cfg, world_size=2, gpus_per_node=2)
+        plans, _, _ = doctor_memory.memory_plan(built, small, task.loss_fn, cfg, world_size=2, gpus_per_node=2)
     for name in ("ddp", "fsdp"):
         planned = sum(plans[name][part] for part in ("parameters", "gradients", "optimizer")) / 2**20
         held = read_metrics(getattr(runs, name)[0])[-1]["model_state_mb"]

@@ -1,0 +1,344 @@
+"""doctor.py's checks that the model trains the same however the job runs: 1 process against
+2 (gloo processes under DDP, or the same arithmetic in this one), a step after a checkpoint's
+save and load against the uninterrupted one, the training set each rank builds, and a step
+under FSDP2 against the plain one. All in float64, where only a real difference shows."""
+
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch import distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from .checkpoint import rng_state, set_rng_state
+from .contract import batch_size, model_inputs
+from .dist import DistContext
+from .doctor_checks import check, first_line, halves, same
+from .faults import TrainingError
+from .knobs import ConfigError
+from .optim import build_optimizer
+from .strategy import build_module, build_strategy
+
+STREAM = 1234  # the random stream a rank draws from during training (any seed: the same in both runs)
+
+
+def gradients(model, batches, loss_fn):
+    """The gradients DDP (or accumulation) makes of `batches`, one per rank: each rank's mean
+    loss backpropagated, the results averaged."""
+    model.zero_grad(set_to_none=True)
+    for batch in batches:
+        (loss_fn(model(model_inputs(batch)), batch) / len(batches)).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def equivalence_check(model, batch, loss_fn):
+    """In float64, the gradients of a batch on 1 process against its two halves on 2 processes
+    (or 2 accumulation steps) agree to ~1e-10 when every sample counts alike. The model is in
+    eval mode (dropout, however the model applies it, draws otherwise on other ranks) but for
+    its batch norms without synchronisation, the difference sought; a synchronised one would
+    need the processes, which the tests' 1-vs-2-process runs have."""
+    shares = halves(batch)
+    if batch_size(shares[0]) == 0:
+        return check("1 vs 2 processes", "warn", "not checked: the training set has fewer than 2 samples")
+    model.eval()
+    for module in model.modules():
+        synced = isinstance(module, nn.SyncBatchNorm) or getattr(module, "same_buffers_on_every_rank", False)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not synced:
+            module.train()
+    whole = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
+    whole, split = gradients(model, [whole], loss_fn), gradients(model, shares, loss_fn)
+    for name, grad in whole.items():
+        scale = grad.abs().max().item() or 1.0
+        if name not in split or (grad - split[name]).abs().max().item() > 1e-10 * scale:
+            cause, fix = cause_of_difference(model)
+            return check("1 vs 2 processes", "fail", f"{name}'s gradient differs: {cause}", fix)
+    return check("1 vs 2 processes", "pass", "the gradients of a batch and of its halves agree to 1e-10 (float64)")
+
+
+def processes_check(build_model, batch, loss_fn, cfg):
+    """The real thing: 2 gloo processes, each with half of `batch` in the model as training
+    wraps it (DDP, its buffer broadcast, synchronised batch norms really synchronising), and
+    this process with all of it, in float64: one forward and backward each, the gradients
+    DDP averaged and the buffers against this process's. As in equivalence_check, dropout is
+    off (the models in eval mode but for their batch norms). The processes are spawned and
+    gone when it returns (killed if they have not ended in PROCESSES_TIMEOUT s)."""
+    shares = halves(batch)
+    if batch_size(shares[0]) == 0:
+        return check("1 vs 2 processes", "warn", "not checked: the training set has fewer than 2 samples")
+    cfg = dataclasses.replace(cfg, strategy="ddp", amp="none", comm_hook="none", find_unused_parameters=True)
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        (folder / "path.json").write_text(json.dumps(sys.path))  # where this process finds the model's code
+        with open(folder / "job.pkl", "wb") as job:
+            pickle.dump((cfg, build_model, loss_fn, shares), job)
+        processes = []
+        try:
+            for rank in (0, 1):
+                with open(folder / f"rank{rank}.log", "w") as log:  # torch's own lines stay out of the report
+                    processes.append(subprocess.Popen([sys.executable, "-c", RANK_MAIN, str(folder), str(rank)],
+                                                      stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+            deadline = time.monotonic() + PROCESSES_TIMEOUT
+            while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in processes):
+                    break  # one failed: the other would wait for it in a collective
+                time.sleep(0.05)
+        finally:
+            for process in processes:
+                process.kill()  # one that has exited is left as it is
+                process.wait()
+        errors = sorted(folder.glob("rank*.error"))
+        if errors:
+            why = errors[0].read_text()
+            return check("1 vs 2 processes", "fail", f"under DDP, {errors[0].stem} raises {why}", "")
+        if not (folder / "rank0.pt").exists():
+            log = (folder / "rank0.log").read_text().strip().splitlines()
+            why = f"not checked: the 2 processes did not finish ({log[-1] if log else f'{PROCESSES_TIMEOUT} s'})"
+            return check("1 vs 2 processes", "warn", why[:300])
+        split = torch.load(folder / "rank0.pt", weights_only=True)
+    with generators_kept():
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            model = build_module(cfg, build_model, torch.device("cpu"), on_meta=cfg.init_on_meta)
+            without_dropout(model)
+            whole = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
+            loss_fn(model(model_inputs(whole)), whole).backward()
+        finally:
+            torch.set_default_dtype(previous)
+    compared = [("gradient", {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, "gradients"),
+                ("buffer", dict(model.named_buffers()), "buffers")]  # fmt: skip
+    for kind, expected, key in compared:
+        for name, tensor in expected.items():
+            got = split[key].get(name)
+            scale = tensor.abs().max().item() or 1.0
+            if got is None or (tensor - got).abs().max().item() > 1e-10 * scale:
+                cause, fix = cause_of_difference(model)
+                return check("1 vs 2 processes", "fail", f"{name}'s {kind} differs under DDP: {cause}", fix)
+    return check("1 vs 2 processes", "pass", "2 gloo processes under DDP and 1 agree to 1e-10 (float64): gradients, "
+                 "buffers")  # fmt: skip
+
+
+PROCESSES_TIMEOUT = 120  # seconds for the 2 processes of processes_check: spawned, they import torch first
+
+
+# The command of each of processes_check's 2 processes: the model's code found as this process
+# finds it, then rank_gradients.
+
+
+RANK_MAIN = (
+    "import json, sys; sys.path[:0] = json.load(open(sys.argv[1] + '/path.json')); "
+    "from ddp_utils import doctor_equivalence as d; d.rank_gradients(sys.argv[1], int(sys.argv[2]))"
+)
+
+
+def rank_gradients(folder, rank):
+    """One of processes_check's 2 processes: its gradients (DDP's average) and buffers, from
+    rank 0, to FOLDER/rank0.pt; what it raised to FOLDER/rank<N>.error."""
+    folder = Path(folder)
+    try:
+        with open(folder / "job.pkl", "rb") as job:
+            cfg, build_model, loss_fn, shares = pickle.load(job)
+        torch.set_default_dtype(torch.float64)
+        store = dist.FileStore(str(folder / "store"), 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        cpu = torch.device("cpu")
+        context = DistContext(rank=rank, local_rank=rank, world_size=2, device=cpu, store=store, local_world_size=2)
+        strategy = build_strategy(cfg, context, build_model)
+        without_dropout(strategy.module)
+        loss_fn(strategy.model(model_inputs(shares[rank])), shares[rank]).backward()
+        if rank == 0:
+            gradients = {n: p.grad for n, p in strategy.module.named_parameters() if p.grad is not None}
+            torch.save({"gradients": gradients, "buffers": dict(strategy.module.named_buffers())},
+                       folder / "rank0.pt.partial")  # fmt: skip
+            (folder / "rank0.pt.partial").replace(folder / "rank0.pt")
+        dist.destroy_process_group()
+    except Exception as error:
+        (folder / f"rank{rank}.error").write_text(f"{type(error).__name__}: {first_line(error)}")
+        sys.exit(1)
+
+
+def without_dropout(model):
+    """Eval mode (dropout, however the model applies it, draws otherwise on other ranks) but
+    for the batch norms, whose training-mode statistics are what differs between 1 process
+    and 2."""
+    model.eval()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.train()
+
+
+def cause_of_difference(model):
+    """The likely cause of a difference between 1 process and 2, and its fix."""
+    batch_norm, synced = nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm
+    norms = [name for name, module in model.named_modules()
+             if isinstance(module, batch_norm) and module.training and not isinstance(module, synced)
+             and not getattr(module, "same_buffers_on_every_rank", False)]  # fmt: skip
+    if norms:
+        fix = "nn.SyncBatchNorm.convert_sync_batchnorm(model) (or a norm per sample: LayerNorm, GroupNorm)"
+        return f"{norms[0]} normalises each process's share with its own statistics", fix
+    return ("the loss is not the mean over the batch's samples (a sum, or a mean over a count that differs between "
+            "ranks), or the model draws or reads something that depends on the rank",
+            "return the mean per sample from loss_fn: DDP averages the ranks' gradients")  # fmt: skip
+
+
+def resume_check(build_model, batches, loss_fn, cfg):
+    """Two optimizer steps, against one step, a checkpoint as train.py saves it (the model's
+    state_dict, AdamW's, the random generators) loaded into a freshly built model, and the
+    second step: bit for bit the same parameters, buffers, AdamW state and generators."""
+
+    def start():
+        torch.manual_seed(cfg.seed)  # as a new process builds it (train.py seeds), then its own stream
+        model = build_model().double().train()
+        return model, build_optimizer(model, cfg, torch.device("cpu"))
+
+    def step(model, optimizer, batch):
+        loss_fn(model(model_inputs(batch)), batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    with generators_kept() as before:  # torch's, Python's and NumPy's: each run starts from them
+        model, optimizer = start()
+        torch.manual_seed(STREAM)
+        for batch in batches:
+            step(model, optimizer, batch)
+        expected = (model.state_dict(), optimizer.state_dict(), rng_state())
+        set_rng_state(before)
+        stopped, optimizer = start()
+        torch.manual_seed(STREAM)
+        step(stopped, optimizer, batches[0])
+        saved = copy.deepcopy({"model": stopped.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state()})
+        resumed, optimizer = start()
+        torch.manual_seed(STREAM + 1)  # the new process's stream, until the checkpoint's is restored
+        resumed.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        set_rng_state(saved["rng"])
+        step(resumed, optimizer, batches[1])
+        got = (resumed.state_dict(), optimizer.state_dict(), rng_state())
+    names = {id(p): name for name, p in resumed.named_parameters()}
+    return resume_row(expected, got, [names[id(p)] for group in optimizer.param_groups for p in group["params"]])
+
+
+@contextlib.contextmanager
+def generators_kept():
+    """torch's, Python's and NumPy's random generators as they were, however the block ends."""
+    before = rng_state()
+    try:
+        yield before
+    finally:
+        set_rng_state(before)
+
+
+def resume_row(expected, got, names):
+    """What differs between the uninterrupted run and the resumed one, (state_dict, optimizer
+    state_dict, random generators) each, named: the first parameter or buffer, else AdamW's
+    state of the first parameter (`names`, in the optimizer's order), else a generator."""
+    fix = ("keep every state in parameters or buffers (register_buffer), and draw random numbers from torch's "
+           "global generator (the checkpoint saves it), not from one the model keeps")  # fmt: skip
+    (weights, adam, generators), (weights_got, adam_got, generators_got) = expected, got
+    for name, tensor in weights.items():
+        if not same(tensor, weights_got[name]):
+            return check("exact resume", "fail", f"{name} differs after a resume", fix)
+    for index, state in adam["state"].items():
+        if not same(state, adam_got["state"].get(index)):
+            return check("exact resume", "fail", f"AdamW's state of {names[index]} differs after a resume", fix)
+    for name, state in generators.items():
+        if not same(state, generators_got.get(name)):
+            return check("exact resume", "fail", f"the {name} random generator's position differs after a resume",
+                         "draw the same random numbers whatever the state the checkpoint does not hold")  # fmt: skip
+    return check("exact resume", "pass", "a step after a save and load equals the uninterrupted step, bit for bit")
+
+
+def as_rank(rank, world_size):
+    """What a dataset sees of its process on rank `rank` of `world_size` (torchrun's variables,
+    torch.distributed's answers), with no process group."""
+    variables = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.dict(os.environ, {name: str(value) for name, value in variables.items()}))
+    for name, value in (("is_initialized", True), ("get_rank", rank), ("get_world_size", world_size)):
+        stack.enter_context(mock.patch.object(torch.distributed, name, lambda *args, value=value, **kwargs: value))
+    return stack
+
+
+def rank_data_check(task, cfg):
+    """The training set rank 0 and rank 1 of 2 build, and the first, middle and last samples
+    of each (drawn with the same random state): the same, as the DistributedSampler splits
+    one dataset between the ranks."""
+    built = []
+    try:
+        with generators_kept() as before:
+            for rank in (0, 1):
+                with as_rank(rank, 2):
+                    set_rng_state(before)
+                    train_set, _ = task.build_datasets(cfg)
+                    indices = sorted({0, 1, len(train_set) // 2, len(train_set) - 1} & set(range(len(train_set))))
+                    built.append((len(train_set), {i: train_set[i] for i in indices}))
+    except Exception as error:  # a dataset that calls collectives (a barrier) needs the processes
+        why = f"{type(error).__name__}: {first_line(error)}"
+        return check("data per rank", "warn", f"not checked: building it as rank {len(built)} of 2 raised {why}")
+    (size, samples), (other_size, others) = built
+    fix = "build the same dataset on every rank: train.py's DistributedSampler gives each rank its share"
+    if size != other_size:
+        return check("data per rank", "fail", f"rank 0's training set has {size} samples, rank 1's {other_size}", fix)
+    for index, sample in samples.items():
+        if not same(sample, others[index]):
+            return check("data per rank", "fail", f"training sample {index} differs between rank 0 and rank 1", fix)
+    return check("data per rank", "pass", "ranks 0 and 1 of 2 build the same training set")
+
+
+def fsdp_check(build_model, batch, loss_fn, cfg):
+    """One AdamW step of the model as --strategy fsdp builds it (FSDP2 over a group of one
+    process, this one: every parameter a DTensor that each unit's hooks gather) against the
+    same step of the plain model, in float64: a parameter used outside the unit that holds
+    it, or a step that differs, shows."""
+    try:
+        cfg = dataclasses.replace(cfg, strategy="fsdp", amp="none", replicate_degree=1, async_checkpoint=False)
+    except ConfigError as error:
+        return check("fsdp = ddp", "warn", f"not checked: {error}")
+    if dist.is_initialized():
+        return check("fsdp = ddp", "warn", "not checked: run the doctor as python doctor.py, not under torchrun")
+    previous = torch.get_default_dtype()
+    try:
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    except Exception as error:
+        return check("fsdp = ddp", "warn", f"not checked: gloo does not start here ({first_line(error)})")
+    try:
+        with generators_kept():
+            torch.set_default_dtype(torch.float64)  # the models built in float64, as the tests' runs
+            cpu = torch.device("cpu")
+            plain = build_module(cfg, build_model, cpu, on_meta=cfg.init_on_meta)
+            context = DistContext(rank=0, local_rank=0, world_size=1, device=cpu, store=store)
+            sharded = build_strategy(cfg, context, build_model).model
+            for model in (plain, sharded):
+                torch.manual_seed(STREAM)  # the same dropout in both
+                optimizer = build_optimizer(model, cfg, cpu)
+                loss_fn(model(model_inputs(batch)), batch).backward()
+                optimizer.step()
+        for (name, expected), got in zip(plain.named_parameters(), sharded.parameters()):
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            if (expected - got).abs().max().item() > 1e-10 * (expected.abs().max().item() or 1.0):
+                return check("fsdp = ddp", "fail", f"{name} differs after a step under fsdp", FSDP_FIX)
+    except (TrainingError, ConfigError) as error:  # a setting --strategy fsdp refuses: it names the flag
+        return check("fsdp = ddp", "fail" if cfg.strategy == "fsdp" else "warn", f"--strategy fsdp refuses: {error}")
+    except Exception as error:  # the model's own code under FSDP: whatever it raises is the finding
+        why = f"a step under fsdp raises {type(error).__name__}: {first_line(error)}"
+        return check("fsdp = ddp", "fail", why, FSDP_FIX)
+    finally:
+        torch.set_default_dtype(previous)
+        dist.destroy_process_group()
+    return check("fsdp = ddp", "pass", "a step under fsdp (FSDP2, one process) equals the plain step to 1e-10")
+
+
+FSDP_FIX = ("use each parameter only in the forward of the shard unit that holds it (a weight shared between "
+            "blocks belongs to the whole model: keep it out of shard_units())")  # fmt: skip
