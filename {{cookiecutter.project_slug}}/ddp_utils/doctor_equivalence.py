@@ -47,7 +47,7 @@ def equivalence_check(model, batch, loss_fn):
     (or 2 accumulation steps) agree to ~1e-10 when every sample counts alike. The model is in
     eval mode (dropout, however the model applies it, draws otherwise on other ranks) but for
     its batch norms without synchronisation, the difference sought; a synchronised one would
-    need the processes, which the tests' 1-vs-2-process runs have."""
+    need the processes. In this one process: where processes_check cannot start its 2."""
     shares = halves(batch)
     if batch_size(shares[0]) == 0:
         return check("1 vs 2 processes", "warn", "not checked: the training set has fewer than 2 samples")

@@ -374,7 +374,7 @@ def buffers_may_differ(module):
     return any(not (isinstance(o, synchronised) or getattr(o, "same_buffers_on_every_rank", False)) for o in owners)
 
 
-# --- the optimizer ------------------------------------------------------------------------
+# --- gradient communication -------------------------------------------------------------
 
 
 def register_comm_hook(model, name):
