@@ -8,20 +8,26 @@ dataset.py through the task contract) and each check reports pass, warn or fail,
 the fix:
 
   1 vs 2 processes  in float64, a batch's gradients and buffers in this process against 2
-              gloo processes under DDP (as training wraps the model) with half of it each: a
-              batch norm without synchronisation or a loss that is not the mean per sample
-              shows, named by the first parameter that differs (where the 2 processes cannot
-              start, the same arithmetic in this process: the halves' gradients averaged, as
-              DDP and accumulation make them)
+              gloo processes under DDP (as training wraps the model) with half of it each,
+              then the parameters after 2 AdamW steps of 2 accumulated micro-batches: a batch
+              norm without synchronisation, a loss that is not the mean per sample or a
+              forward that changes parameters in place shows, named by the first parameter
+              that differs (where the 2 processes cannot start, the gradients only, in this
+              process: the halves' gradients averaged, as DDP and accumulation make them)
   exact resume  two AdamW steps against one, a checkpoint's state loaded into a freshly built
               model, and the second: state kept outside parameters and buffers, or random
               numbers from a generator the model keeps, show
+  data position  batch 2 of an epoch read straight through and read first after a resume
+              there (the loader as training builds it, with --num_workers): random numbers
+              that depend on how far the loader has read show
   data per rank  the training set as rank 0 and rank 1 of 2 build it (torchrun's variables,
               torch.distributed's answers): data chosen by rank shows
   shard units  the blocks --strategy fsdp shards one by one, and a module nothing initialises
               on the meta device (--init_on_meta)
   fsdp = ddp  one float64 AdamW step of the model under FSDP2 (a group of one process) against
               the plain model's: a parameter used outside the shard unit that holds it shows
+  sharded steps  the 1 vs 2 processes steps under fsdp over the 2 processes and under hsdp (2
+              replicas): the parameters gathered whole against this process's
   gradients   one float64 forward and backward on a few training samples: parameters that get
               no gradient (DDP then needs --find_unused_parameters), gradient entries that are
               zero in exact arithmetic (AdamW turns their float32 rounding noise into full
@@ -35,10 +41,9 @@ the fix:
               and loss functions: each makes the host wait for the GPU every step. With a GPU,
               also a steady-state forward and backward under torch.cuda.set_sync_debug_mode
 
-The 2 processes are the doctor's only ones, ended before it reports. Several optimizer steps
-over real data loaders, sharding over several processes and the data position of a resume
-are what the project's tests run on your model (tests/test_correctness.py, test_resilience.py,
-test_fsdp.py).
+The 2 processes (and --num_workers loader workers) are the doctor's only ones, ended before it
+reports. Whole epochs over real data loaders, more processes and real preemptions are what the
+project's tests run on your model (tests/test_correctness.py, test_resilience.py, test_fsdp.py).
 
 The report prints as a table and is written to OUTPUT_DIR/doctor.json; the exit status is 1
 when a check fails, 2 when the config or data is unusable.
@@ -63,8 +68,15 @@ from ddp_utils.doctor_checks import (
     sharding_check,
     to_float64,
 )
-from ddp_utils.doctor_equivalence import equivalence_check, fsdp_check, processes_check, rank_data_check, resume_check
+from ddp_utils.doctor_equivalence import (
+    data_position_check,
+    equivalence_check,
+    fsdp_check,
+    rank_data_check,
+    resume_check,
+)
 from ddp_utils.doctor_memory import memory_check, memory_plan
+from ddp_utils.doctor_processes import processes_check
 from ddp_utils.knobs import InputError, OneLineParser, print_error
 
 PROJECT = Path(__file__).resolve().parent
@@ -103,14 +115,15 @@ def diagnose(cfg, gpu_gb, world_size, gpus_per_node):
         rows.append(gpu_sync_check(model, small, task.loss_fn, cfg))
     small = to_float64(small)  # the steps below on SAMPLES samples: a float64 step of a large model is slow
     processes = attempt("1 vs 2 processes", processes_check, task.build_model, small, task.loss_fn, cfg)
+    sharded = processes[1] if len(processes) > 1 else check("sharded steps", "warn", processes[0]["summary"])
     if processes[0]["status"] == "warn":  # the processes could not run here: the same arithmetic in this one
         processes = attempt("1 vs 2 processes", equivalence_check, copy.deepcopy(model).double(), small, task.loss_fn)
         processes[0]["summary"] = f"in one process: {processes[0]['summary']}"
-    rows += processes
+    rows.append(processes[0])
     rows += attempt("exact resume", resume_check, lambda: built(task, cfg), halves(small), task.loss_fn, cfg)
-    rows.append(rank_data_check(task, cfg))
+    rows += [data_position_check(task, cfg), rank_data_check(task, cfg)]
     rows += attempt("shard units", sharding_check, task.build_model, model, cfg)
-    rows.append(fsdp_check(task.build_model, small, task.loss_fn, cfg))
+    rows += [fsdp_check(task.build_model, small, task.loss_fn, cfg), sharded]
     rows += attempt("gradients", gradient_checks, model, batches, task.loss_fn, cfg)  # last: the model to float64
     rows.append(host_sync_check([PROJECT / "model.py", PROJECT / "dataset.py"]))
     return rows, plans

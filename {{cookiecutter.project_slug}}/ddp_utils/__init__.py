@@ -6,7 +6,9 @@ through contract.py (the task contract). Each module has one job, on one floor; 
 imports only from the modules listed below it:
 
     inputs.py        what must hold before a run writes anything: data, trackers (check_inputs)
-    doctor_equivalence.py  doctor.py: 1 vs 2 processes, an exact resume, data per rank, fsdp = ddp
+    doctor_processes.py    doctor.py: 1 vs 2 real processes, their steps under ddp, fsdp and hsdp
+    doctor_equivalence.py  doctor.py: 1 vs 2 in one process, an exact resume, the data position,
+                           data per rank, fsdp = ddp
     doctor_memory.py       doctor.py: the memory plan per GPU, activations measured
     doctor_checks.py       doctor.py's rows; gradients, shard units, host syncs
     checkpoint.py    the Checkpointer: choose, load, save, the resume position, random generators

@@ -1,19 +1,13 @@
 """doctor.py's checks that the model trains the same however the job runs: 1 process against
-2 (gloo processes under DDP, or the same arithmetic in this one), a step after a checkpoint's
-save and load against the uninterrupted one, the training set each rank builds, and a step
-under FSDP2 against the plain one. All in float64, where only a real difference shows."""
+2 in this one (doctor_processes.py runs the real processes), a step after a checkpoint's save
+and load against the uninterrupted one, the data read after a resume, the training set each
+rank builds, and a step under FSDP2 against the plain one. All in float64, where only a real
+difference shows."""
 
 import contextlib
 import copy
 import dataclasses
-import json
 import os
-import pickle
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -23,6 +17,7 @@ from torch.utils._pytree import tree_map_only
 
 from .checkpoint import rng_state, set_rng_state
 from .contract import batch_size, model_inputs
+from .data import build_loaders, start_epoch
 from .dist import DistContext
 from .doctor_checks import check, first_line, halves, same
 from .faults import TrainingError
@@ -66,108 +61,6 @@ def equivalence_check(model, batch, loss_fn):
     return check("1 vs 2 processes", "pass", "the gradients of a batch and of its halves agree to 1e-10 (float64)")
 
 
-def processes_check(build_model, batch, loss_fn, cfg):
-    """The real thing: 2 gloo processes, each with half of `batch` in the model as training
-    wraps it (DDP, its buffer broadcast, synchronised batch norms really synchronising), and
-    this process with all of it, in float64: one forward and backward each, the gradients
-    DDP averaged and the buffers against this process's. As in equivalence_check, dropout is
-    off (the models in eval mode but for their batch norms). The processes are spawned and
-    gone when it returns (killed if they have not ended in PROCESSES_TIMEOUT s)."""
-    shares = halves(batch)
-    if batch_size(shares[0]) == 0:
-        return check("1 vs 2 processes", "warn", "not checked: the training set has fewer than 2 samples")
-    cfg = dataclasses.replace(cfg, strategy="ddp", amp="none", comm_hook="none", find_unused_parameters=True)
-    with tempfile.TemporaryDirectory() as folder:
-        folder = Path(folder)
-        (folder / "path.json").write_text(json.dumps(sys.path))  # where this process finds the model's code
-        with open(folder / "job.pkl", "wb") as job:
-            pickle.dump((cfg, build_model, loss_fn, shares), job)
-        processes = []
-        try:
-            for rank in (0, 1):
-                with open(folder / f"rank{rank}.log", "w") as log:  # torch's own lines stay out of the report
-                    processes.append(subprocess.Popen([sys.executable, "-c", RANK_MAIN, str(folder), str(rank)],
-                                                      stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
-            deadline = time.monotonic() + PROCESSES_TIMEOUT
-            while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
-                if any(p.poll() not in (None, 0) for p in processes):
-                    break  # one failed: the other would wait for it in a collective
-                time.sleep(0.05)
-        finally:
-            for process in processes:
-                process.kill()  # one that has exited is left as it is
-                process.wait()
-        errors = sorted(folder.glob("rank*.error"))
-        if errors:
-            why = errors[0].read_text()
-            return check("1 vs 2 processes", "fail", f"under DDP, {errors[0].stem} raises {why}", "")
-        if not (folder / "rank0.pt").exists():
-            log = (folder / "rank0.log").read_text().strip().splitlines()
-            why = f"not checked: the 2 processes did not finish ({log[-1] if log else f'{PROCESSES_TIMEOUT} s'})"
-            return check("1 vs 2 processes", "warn", why[:300])
-        split = torch.load(folder / "rank0.pt", weights_only=True)
-    with generators_kept():
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        try:
-            model = build_module(cfg, build_model, torch.device("cpu"), on_meta=cfg.init_on_meta)
-            without_dropout(model)
-            whole = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
-            loss_fn(model(model_inputs(whole)), whole).backward()
-        finally:
-            torch.set_default_dtype(previous)
-    compared = [("gradient", {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, "gradients"),
-                ("buffer", dict(model.named_buffers()), "buffers")]  # fmt: skip
-    for kind, expected, key in compared:
-        for name, tensor in expected.items():
-            got = split[key].get(name)
-            scale = tensor.abs().max().item() or 1.0
-            if got is None or (tensor - got).abs().max().item() > 1e-10 * scale:
-                cause, fix = cause_of_difference(model)
-                return check("1 vs 2 processes", "fail", f"{name}'s {kind} differs under DDP: {cause}", fix)
-    return check("1 vs 2 processes", "pass", "2 gloo processes under DDP and 1 agree to 1e-10 (float64): gradients, "
-                 "buffers")  # fmt: skip
-
-
-PROCESSES_TIMEOUT = 120  # seconds for the 2 processes of processes_check: spawned, they import torch first
-
-
-# The command of each of processes_check's 2 processes: the model's code found as this process
-# finds it, then rank_gradients.
-
-
-RANK_MAIN = (
-    "import json, sys; sys.path[:0] = json.load(open(sys.argv[1] + '/path.json')); "
-    "from ddp_utils import doctor_equivalence as d; d.rank_gradients(sys.argv[1], int(sys.argv[2]))"
-)
-
-
-def rank_gradients(folder, rank):
-    """One of processes_check's 2 processes: its gradients (DDP's average) and buffers, from
-    rank 0, to FOLDER/rank0.pt; what it raised to FOLDER/rank<N>.error."""
-    folder = Path(folder)
-    try:
-        with open(folder / "job.pkl", "rb") as job:
-            cfg, build_model, loss_fn, shares = pickle.load(job)
-        torch.set_default_dtype(torch.float64)
-        store = dist.FileStore(str(folder / "store"), 2)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-        cpu = torch.device("cpu")
-        context = DistContext(rank=rank, local_rank=rank, world_size=2, device=cpu, store=store, local_world_size=2)
-        strategy = build_strategy(cfg, context, build_model)
-        without_dropout(strategy.module)
-        loss_fn(strategy.model(model_inputs(shares[rank])), shares[rank]).backward()
-        if rank == 0:
-            gradients = {n: p.grad for n, p in strategy.module.named_parameters() if p.grad is not None}
-            torch.save({"gradients": gradients, "buffers": dict(strategy.module.named_buffers())},
-                       folder / "rank0.pt.partial")  # fmt: skip
-            (folder / "rank0.pt.partial").replace(folder / "rank0.pt")
-        dist.destroy_process_group()
-    except Exception as error:
-        (folder / f"rank{rank}.error").write_text(f"{type(error).__name__}: {first_line(error)}")
-        sys.exit(1)
-
-
 def without_dropout(model):
     """Eval mode (dropout, however the model applies it, draws otherwise on other ranks) but
     for the batch norms, whose training-mode statistics are what differs between 1 process
@@ -178,8 +71,10 @@ def without_dropout(model):
             module.train()
 
 
-def cause_of_difference(model):
-    """The likely cause of a difference between 1 process and 2, and its fix."""
+def cause_of_difference(model, batch=None):
+    """The likely cause of a difference between 1 process and 2, and its fix: a batch norm
+    without synchronisation, a forward that changes a parameter in place (run on `batch`, if
+    given), else the loss or the rank."""
     batch_norm, synced = nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm
     norms = [name for name, module in model.named_modules()
              if isinstance(module, batch_norm) and module.training and not isinstance(module, synced)
@@ -187,6 +82,15 @@ def cause_of_difference(model):
     if norms:
         fix = "nn.SyncBatchNorm.convert_sync_batchnorm(model) (or a norm per sample: LayerNorm, GroupNorm)"
         return f"{norms[0]} normalises each process's share with its own statistics", fix
+    if batch is not None:
+        versions = {name: p._version for name, p in model.named_parameters()}  # bumped by each in-place change
+        with torch.no_grad():
+            model(model_inputs(batch))
+        changed = [name for name, p in model.named_parameters() if p._version != versions[name]]
+        if changed:
+            return (f"the forward changes {changed[0]} in place, each process from its own share (nn.Embedding's "
+                    "max_norm, say): the processes' copies drift apart",
+                    "change parameters only through their gradients, or after optimizer steps")  # fmt: skip
     return ("the loss is not the mean over the batch's samples (a sum, or a mean over a count that differs between "
             "ranks), or the model draws or reads something that depends on the rank",
             "return the mean per sample from loss_fn: DDP averages the ranks' gradients")  # fmt: skip
@@ -294,6 +198,58 @@ def rank_data_check(task, cfg):
         if not same(sample, others[index]):
             return check("data per rank", "fail", f"training sample {index} differs between rank 0 and rank 1", fix)
     return check("data per rank", "pass", "ranks 0 and 1 of 2 build the same training set")
+
+
+def data_position_check(task, cfg):
+    """Training batch RESUMED_AT of an epoch on rank 0 of 2 (the loader as train.py builds it,
+    with --num_workers), read straight through and read first after a resume there: a new
+    dataset and loader, the random generators as the checkpoint restores them, the sampler
+    started past the batches done. The same, or the resumed run trains on other data."""
+    cfg = dataclasses.replace(cfg, batch_size=2, grad_accum_steps=1, persistent_workers=False)
+    ctx = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), store=None, local_world_size=2)
+    global_batch = cfg.batch_size * ctx.world_size
+
+    def loader():
+        train_set, val_set = task.build_datasets(cfg)
+        if len(train_set) < (RESUMED_AT + 1) * global_batch:
+            raise ValueError(f"the training set has fewer than {(RESUMED_AT + 1) * global_batch} samples")
+        return build_loaders(cfg, ctx, train_set, val_set)[0]
+
+    def read(batches, start=0, state=None):
+        """`batches` batches of epoch EPOCH from a loader built now, from the sampler's `start`,
+        and the random generators after each (what a checkpoint after its step would hold)."""
+        train_loader = loader()
+        if state is not None:
+            set_rng_state(state)  # the checkpoint's, restored after the build, as train.py does
+        start_epoch(train_loader, EPOCH, ctx.rank, cfg.seed, start=start)
+        iterator, read, states = iter(train_loader), [], []
+        try:
+            for _ in range(batches):
+                read.append(next(iterator))
+                states.append(rng_state())
+        finally:
+            getattr(iterator, "_shutdown_workers", lambda: None)()  # its workers end now
+        return read, states
+
+    try:
+        with generators_kept() as before, as_rank(0, 2):
+            straight, states = read(RESUMED_AT + 1)
+            set_rng_state(before)  # a new process
+            (resumed,), _ = read(1, start=RESUMED_AT * global_batch, state=states[RESUMED_AT - 1])
+    except Exception as error:
+        why = f"{type(error).__name__}: {first_line(error)}"
+        return check("data position", "warn", f"not checked: reading the training set as rank 0 of 2 raised {why}")
+    if not same(straight[RESUMED_AT], resumed):
+        workers = f" (--num_workers {cfg.num_workers})" if cfg.num_workers else ""
+        why = (f"training batch {RESUMED_AT} of an epoch differs after a resume there{workers}: the dataset draws "
+               "random numbers that depend on how far the loader has read, or keeps a count of its own")  # fmt: skip
+        return check("data position", "fail", why, "derive each sample's randomness from (seed, epoch, index), as "
+                     "the vision task's augment does with ddp_utils.data.mix_seed")  # fmt: skip
+    return check("data position", "pass", f"a resume at training batch {RESUMED_AT} of an epoch reads the same "
+                 "next batch as the run that went on")  # fmt: skip
+
+
+EPOCH, RESUMED_AT = 1, 2  # data_position_check's resume: the epoch (its second) and the batch
 
 
 def fsdp_check(build_model, batch, loss_fn, cfg):

@@ -30,3 +30,18 @@ def normed(cfg):
 
 def linear(cfg):
     return nn.Linear(8, 4)
+
+
+class Renormed(nn.Module):
+    """nn.Embedding's max_norm: each forward rescales, in place, the rows its batch looks up."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.layer = nn.Embedding(16, 8, max_norm=1.0), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.layer(self.embedding(x).mean(1))
+
+
+def renormed(cfg):
+    return Renormed()

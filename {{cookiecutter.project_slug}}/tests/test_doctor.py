@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PROJECT, TINY, descendants
-from doctor_models import Normed, linear, loss_fn, loss_per_class_present, normed
+from doctor_models import Normed, linear, loss_fn, loss_per_class_present, normed, renormed
 from torch import nn
 
 import doctor
 from config import parse_config
-from ddp_utils import doctor_checks, doctor_equivalence, doctor_memory
+from ddp_utils import doctor_checks, doctor_equivalence, doctor_memory, doctor_processes
 from ddp_utils.contract import load_task
 
 
@@ -29,11 +29,14 @@ def test_the_shipped_task_passes_the_doctor(tmp_path, capsys):
     statuses = {row["check"]: row["status"] for row in report["checks"]}
     assert code == 0, printed
     checks = ["memory plan", *(["host syncs on the GPU"] if torch.cuda.is_available() else [])]
-    checks += ["1 vs 2 processes", "exact resume", "data per rank", "shard units", "fsdp = ddp"]
+    checks += ["1 vs 2 processes", "exact resume", "data position", "data per rank", "shard units", "fsdp = ddp"]
+    checks += ["sharded steps"]
     checks += ["non-finite values", "unused parameters", "zero gradients", "host syncs"]
     assert list(statuses) == checks
     assert "fail" not in statuses.values(), printed
-    for name in ("memory plan", "1 vs 2 processes", "exact resume", "data per rank", "fsdp = ddp", "unused parameters"):
+    passed = ["memory plan", "1 vs 2 processes", "exact resume", "data position", "data per rank", "fsdp = ddp"]
+    passed += ["sharded steps"]
+    for name in [*passed, "unused parameters"]:
         assert statuses[name] == "pass", printed
     # 2 nodes of 2: ddp holds everything, fsdp a quarter of the model state, hsdp a half.
     plans = report["memory_bytes_per_gpu"]
@@ -264,9 +267,23 @@ def test_two_gloo_processes_under_ddp_find_what_one_cannot(build_model, loss, na
     """The same faults, in 2 real processes (DDP, gloo) against this one; none left behind.
     (That a model without them passes, the task's own, is test_the_shipped_task_passes_the_doctor.)"""
     before = set(descendants(os.getpid()))
-    row = doctor_equivalence.processes_check(build_model, doctor_checks.to_float64(BATCH), loss, cfg_for())
+    row, _ = doctor_processes.processes_check(build_model, doctor_checks.to_float64(BATCH), loss, cfg_for())
     assert set(descendants(os.getpid())) == before
     assert row["status"] == "fail" and named in row["summary"], row
+
+
+def test_a_forward_that_changes_parameters_is_found_by_the_steps_of_two_processes():
+    """nn.Embedding(max_norm=...) renormalises, in place, the rows each process's share looks up:
+    the gradients agree (a backward passes), the parameters after steps do not, under DDP with
+    accumulation, fsdp and hsdp alike. Token 15 is only in rank 1's shares."""
+    tokens = torch.tensor([[0, 1, 2], [3, 4, 15], [5, 6, 7], [8, 9, 15]])
+    batch = (tokens, torch.tensor([0, 1, 2, 3]))
+    before = set(descendants(os.getpid()))
+    ddp, sharded = doctor_processes.processes_check(renormed, batch, loss_fn, cfg_for())
+    assert set(descendants(os.getpid())) == before
+    assert ddp["status"] == "fail" and ddp["summary"].startswith("embedding.weight's parameter differs after 2 steps")
+    assert "the forward changes embedding.weight in place" in ddp["summary"], ddp
+    assert sharded["status"] == "fail" and "embedding.weight differs after 2 steps under fsdp" in sharded["summary"]
 
 
 def test_a_synchronised_norm_and_a_plain_model_are_the_same_on_one_process_and_two():
@@ -352,6 +369,42 @@ def test_data_that_depends_on_the_rank_is_found(where, status):
             row["summary"] == "training sample 0 differs between rank 0 and rank 1"
             and "DistributedSampler" in row["fix"]
         )
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Rows with noise drawn from the reading process's generator (`draw`), or scaled by a
+    count of the reads this copy has served (`count`)."""
+
+    def __init__(self, draw=False, count=False):
+        self.draw, self.count, self.reads = draw, count, 0
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        self.reads += 1
+        row = torch.full((8,), float(index)) + (torch.rand(8) if self.draw else 0)
+        return row * (self.reads if self.count else 1), index % 4
+
+
+@pytest.mark.parametrize(
+    "data, workers, status",
+    [
+        (dict(draw=True), 0, "pass"),  # drawn in this process: the checkpoint restores the generators
+        (dict(draw=True), 1, "fail"),  # a worker's generator restarts at the epoch's seed on a resume
+        (dict(count=True), 0, "fail"),
+        (dict(), 1, "pass"),
+    ],
+)
+def test_a_resume_that_reads_other_data_is_found(data, workers, status):
+    task = dataclasses.replace(load_task(), build_datasets=lambda cfg: (Augmented(**data), Augmented(**data)))
+    before = set(descendants(os.getpid()))
+    row = doctor_equivalence.data_position_check(task, cfg_for("--num_workers", str(workers)))
+    assert set(descendants(os.getpid())) == before  # the workers are gone
+    assert row["check"] == "data position" and row["status"] == status, row
+    if status == "fail":
+        assert row["summary"].startswith("training batch 2 of an epoch differs after a resume there"), row
+        assert "(seed, epoch, index)" in row["fix"], row
 
 
 class Scaled(nn.Module):

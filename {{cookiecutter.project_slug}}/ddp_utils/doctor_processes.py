@@ -1,0 +1,240 @@
+"""doctor.py's 1 vs 2 processes for real: the model as training wraps it in 2 gloo processes
+(DDP, then fsdp and hsdp) against this process, in float64. A backward's gradients and
+buffers, then the parameters after optimizer steps of accumulated micro-batches. The
+processes are the doctor's only ones, spawned here and gone when processes_check returns."""
+
+import contextlib
+import dataclasses
+import json
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import distributed as dist
+from torch.utils._pytree import tree_map_only
+
+from .contract import batch_size, model_inputs
+from .dist import DistContext
+from .doctor_checks import check, first_line, halves
+from .doctor_equivalence import FSDP_FIX, cause_of_difference, generators_kept, without_dropout
+from .knobs import ConfigError
+from .optim import build_optimizer, clip_grad_norm
+from .strategy import build_module, build_strategy
+
+
+def processes_check(build_model, batch, loss_fn, cfg):
+    """The real thing, in float64: 2 gloo processes with half of `batch` each against this
+    one with all of it, the model wrapped as training wraps it (DDP, its buffer broadcast,
+    synchronised batch norms really synchronising). Dropout is off, as in equivalence_check.
+    Rows:
+    - "1 vs 2 processes": one forward and backward (the gradients DDP averaged, and the
+      buffers), then STEPS AdamW steps of ACCUMULATION micro-batches each as train.py takes
+      them (no all-reduce but on the last, the loss divided, the gradients clipped): the
+      parameters and buffers after them.
+    - "sharded steps": the same steps under fsdp over the 2 processes and under hsdp (2
+      replicas of one process), the parameters gathered whole.
+    The processes are spawned and gone when it returns (killed if they have not ended in
+    PROCESSES_TIMEOUT s)."""
+    shares = halves(batch)
+    if batch_size(shares[0]) == 0:
+        why = "not checked: the training set has fewer than 2 samples"
+        return [check("1 vs 2 processes", "warn", why), check("sharded steps", "warn", why)]
+    stages = {"gradients": dataclasses.replace(cfg, strategy="ddp", amp="none", comm_hook="none",
+                                               find_unused_parameters=True)}  # fmt: skip
+    micro = micro_batches(batch)
+    if micro:
+        stages["ddp"] = stages["gradients"]
+        for name, replicas in (("fsdp", 1), ("hsdp", 2)):
+            with contextlib.suppress(ConfigError):  # fsdp_check's row names the setting fsdp refuses
+                stages[name] = dataclasses.replace(cfg, strategy="fsdp", amp="none", replicate_degree=replicas,
+                                                   async_checkpoint=False)  # fmt: skip
+    job = {"stages": stages, "build_model": build_model, "loss_fn": loss_fn, "shares": shares,
+           "micro": [[halves(m)[rank] for m in micro] for rank in (0, 1)]}  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        problem = run_processes(folder, job)
+        results = {stage: torch.load(folder / f"{stage}.pt", weights_only=True)
+                   for stage in stages if (folder / f"{stage}.pt").exists()}  # fmt: skip
+    with generators_kept():
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            whole = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
+            model = reference(
+                stages["gradients"], build_model, lambda m: loss_fn(m(model_inputs(whole)), whole).backward()
+            )
+            gradients = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            expected = {"gradients": {"gradient": gradients, "buffer": dict(model.named_buffers())}}
+            if micro:
+                stepped = reference(stages["ddp"], build_model, lambda m: train_steps(m, stages["ddp"], micro, loss_fn))
+                after = {"parameter": dict(stepped.named_parameters()), "buffer": dict(stepped.named_buffers())}
+                expected.update(dict.fromkeys(set(stages) - {"gradients"}, after))
+        finally:
+            torch.set_default_dtype(previous)
+    ddp = stage_row("1 vs 2 processes", ["gradients", "ddp"], expected, results, problem, model, batch, cfg)
+    if not micro:
+        return [ddp, check("sharded steps", "warn", "not checked: the training set has fewer than 4 samples")]
+    return [ddp, stage_row("sharded steps", ["fsdp", "hsdp"], expected, results, problem, model, batch, cfg)]
+
+
+ACCUMULATION, STEPS = 2, 2  # the steps of processes_check: each of this many micro-batches per rank
+PROCESSES_TIMEOUT = 120  # seconds for the 2 processes of processes_check: spawned, they import torch first
+STAGES = {  # what each stage of processes_check runs, for its rows
+    "gradients": "a backward under DDP",
+    "ddp": f"{STEPS} steps under DDP",
+    "fsdp": f"{STEPS} steps under fsdp over 2 processes",
+    "hsdp": f"{STEPS} steps under hsdp, 2 replicas",
+}
+
+
+def micro_batches(batch):
+    """ACCUMULATION equal parts of `batch`, each split in halves between the ranks (an empty
+    list where it is too small for that)."""
+    size = batch_size(batch) // (2 * ACCUMULATION)
+    if size == 0:
+        return []
+    return [tree_map_only(torch.Tensor, lambda t, i=i: t[i * 2 * size : (i + 1) * 2 * size], batch)
+            for i in range(ACCUMULATION)]  # fmt: skip
+
+
+def train_steps(model, cfg, micro, loss_fn, sync=lambda last: contextlib.nullcontext(), clip=clip_grad_norm):
+    """STEPS AdamW steps of the micro-batches `micro` each, as train.py takes them: the loss
+    divided by their number, gradients synchronised on the last (`sync`), clipped to
+    --max_grad_norm."""
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    for _ in range(STEPS):
+        for index, batch in enumerate(micro):
+            with sync(index == len(micro) - 1):
+                (loss_fn(model(model_inputs(batch)), batch) / len(micro)).backward()
+        if cfg.max_grad_norm > 0:
+            clip([p for p in model.parameters() if p.grad is not None], cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def reference(cfg, build_model, run):
+    """The model as build_module makes it, in this process, after `run(model)` (dropout off)."""
+    model = build_module(cfg, build_model, torch.device("cpu"), on_meta=cfg.init_on_meta)
+    without_dropout(model)
+    run(model)
+    return model
+
+
+def stage_row(name, stages, expected, results, problem, model, batch, cfg):
+    """The row `name` of processes_check for `stages`: the first that raised or differs, in
+    order, fails; a stage not run (the processes did not finish) makes it a warning."""
+    done = []
+    for stage in stages:
+        if stage not in expected:  # fsdp refuses the config: fsdp_check's row says why
+            continue
+        if stage not in results:
+            if problem and problem[0] == stage and problem[1] != "timeout":
+                refused = problem[1] == "TrainingError" and cfg.strategy != "fsdp"
+                why = f"{STAGES[stage]}, rank {problem[2]} raises {problem[1]}: {problem[3]}"
+                return check(name, "warn" if refused else "fail", why, FSDP_FIX if stage in ("fsdp", "hsdp") else "")
+            why = f"not checked: the 2 processes did not finish {STAGES[stage]} ({problem[3] if problem else ''})"
+            return check(name, "warn", why[:300])
+        for kind, tensors in expected[stage].items():
+            for tensor_name, tensor in tensors.items():
+                got = results[stage].get(kind, {}).get(tensor_name)
+                scale = tensor.abs().max().item() or 1.0
+                if got is None or (tensor - got).abs().max().item() > 1e-10 * scale:
+                    if stage in ("fsdp", "hsdp"):
+                        return check(name, "fail", f"{tensor_name} differs after {STAGES[stage]}", FSDP_FIX)
+                    cause, fix = cause_of_difference(model, batch)
+                    return check(name, "fail", f"{tensor_name}'s {kind} differs after {STAGES[stage]}: {cause}", fix)
+        done.append(stage)
+    if name == "1 vs 2 processes":
+        why = (f"2 gloo processes under DDP and 1 agree to 1e-10 (float64): gradients, buffers, and parameters "
+               f"after {STEPS} AdamW steps of {ACCUMULATION} accumulated micro-batches")  # fmt: skip
+        return check(name, "pass", why)
+    if not done:
+        return check(name, "warn", "not checked: --strategy fsdp refuses this config (see fsdp = ddp)")
+    under = " and ".join({"fsdp": "fsdp (sharded over 2 gloo processes)", "hsdp": "hsdp (2 replicas)"}[s] for s in done)
+    why = f"{STEPS} AdamW steps of {ACCUMULATION} accumulated micro-batches under {under} equal 1 process's to 1e-10"
+    return check(name, "pass", why)
+
+
+def run_processes(folder, job):
+    """processes_check's 2 processes, on `job` (pickled to FOLDER/job.pkl): None when both ended
+    well, else (stage, error type or "timeout", rank, why)."""
+    (folder / "path.json").write_text(json.dumps(sys.path))  # where this process finds the model's code
+    with open(folder / "job.pkl", "wb") as file:
+        pickle.dump(job, file)
+    processes = []
+    try:
+        for rank in (0, 1):
+            with open(folder / f"rank{rank}.log", "w") as log:  # torch's own lines stay out of the report
+                processes.append(subprocess.Popen([sys.executable, "-c", RANK_MAIN, str(folder), str(rank)],
+                                                  stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+        deadline = time.monotonic() + PROCESSES_TIMEOUT
+        while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in processes):
+                break  # one failed: the other would wait for it in a collective
+            time.sleep(0.05)
+    finally:
+        for process in processes:
+            process.kill()  # one that has exited is left as it is
+            process.wait()
+    errors = sorted(folder.glob("rank*.error"))
+    if errors:
+        return tuple(json.loads(errors[0].read_text()))
+    if all(p.returncode == 0 for p in processes):
+        return None
+    log = (folder / "rank0.log").read_text().strip().splitlines()
+    unfinished = next((stage for stage in job["stages"] if not (folder / f"{stage}.pt").exists()), None)
+    return (unfinished, "timeout", 0, log[-1] if log else f"{PROCESSES_TIMEOUT} s")
+
+
+# The command of each of processes_check's 2 processes: the model's code found as this process
+# finds it, then rank_main.
+
+
+RANK_MAIN = (
+    "import json, sys; sys.path[:0] = json.load(open(sys.argv[1] + '/path.json')); "
+    "from ddp_utils import doctor_processes as d; d.rank_main(sys.argv[1], int(sys.argv[2]))"
+)
+
+
+def rank_main(folder, rank):
+    """One of processes_check's 2 processes: each stage of the job in turn, its results from
+    rank 0 to FOLDER/<stage>.pt; what it raised to FOLDER/rank<N>.error."""
+    folder, stage = Path(folder), None
+    try:
+        with open(folder / "job.pkl", "rb") as file:
+            job = pickle.load(file)
+        torch.set_default_dtype(torch.float64)
+        store = dist.FileStore(str(folder / "store"), 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        cpu = torch.device("cpu")
+        context = DistContext(rank=rank, local_rank=rank, world_size=2, device=cpu, store=store, local_world_size=2)
+        for stage, cfg in job["stages"].items():
+            strategy = build_strategy(cfg, context, job["build_model"])
+            without_dropout(strategy.module)
+            if stage == "gradients":
+                share = job["shares"][rank]
+                job["loss_fn"](strategy.model(model_inputs(share)), share).backward()
+                params = {n: p.grad for n, p in strategy.module.named_parameters() if p.grad is not None}
+                result = {"gradient": params, "buffer": dict(strategy.module.named_buffers())}
+            else:
+                train_steps(strategy.model, cfg, job["micro"][rank], job["loss_fn"], strategy.sync_gradients,
+                            strategy.clip_gradients)  # fmt: skip
+                params = {n: whole(p) for n, p in strategy.module.named_parameters()}  # a collective for shards
+                result = {"parameter": params, "buffer": {n: whole(b) for n, b in strategy.module.named_buffers()}}
+            strategy.close()
+            if rank == 0:
+                torch.save(result, folder / f"{stage}.pt.partial")
+                (folder / f"{stage}.pt.partial").replace(folder / f"{stage}.pt")
+        dist.destroy_process_group()
+    except Exception as error:
+        (folder / f"rank{rank}.error").write_text(json.dumps([stage, type(error).__name__, rank, first_line(error)]))
+        sys.exit(1)
+
+
+def whole(tensor):
+    """A parameter as a plain tensor: FSDP's shards gathered (a collective), others detached."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
