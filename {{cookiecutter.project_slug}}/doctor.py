@@ -17,9 +17,10 @@ the fix:
   exact resume  two AdamW steps against one, a checkpoint's state loaded into a freshly built
               model, and the second: state kept outside parameters and buffers, or random
               numbers from a generator the model keeps, show
-  data position  batch 2 of an epoch read straight through and read first after a resume
-              there (the loader as training builds it, with --num_workers): random numbers
-              that depend on how far the loader has read show
+  data position  batch 2 of an epoch read as a run reads it and read first after a resume
+              there (the loader as training builds it, with --num_workers and
+              --persistent_workers): random numbers that depend on how far the loader has
+              read, or an epoch the workers never see, show
   data per rank  the training set as rank 0 and rank 1 of 2 build it (torchrun's variables,
               torch.distributed's answers): data chosen by rank shows
   shard units  the blocks --strategy fsdp shards one by one, and a module nothing initialises
@@ -27,7 +28,7 @@ the fix:
   fsdp = ddp  one float64 AdamW step of the model under FSDP2 (a group of one process) against
               the plain model's: a parameter used outside the shard unit that holds it shows
   sharded steps  the 1 vs 2 processes steps under fsdp over the 2 processes and under hsdp (2
-              replicas): the parameters gathered whole against this process's
+              replicas): the parameters gathered whole against DDP's
   gradients   one float64 forward and backward on a few training samples: parameters that get
               no gradient (DDP then needs --find_unused_parameters), gradient entries that are
               zero in exact arithmetic (AdamW turns their float32 rounding noise into full

@@ -82,18 +82,22 @@ def cause_of_difference(model, batch=None):
     if norms:
         fix = "nn.SyncBatchNorm.convert_sync_batchnorm(model) (or a norm per sample: LayerNorm, GroupNorm)"
         return f"{norms[0]} normalises each process's share with its own statistics", fix
-    if batch is not None:
-        versions = {name: p._version for name, p in model.named_parameters()}  # bumped by each in-place change
-        with torch.no_grad():
-            model(model_inputs(batch))
-        changed = [name for name, p in model.named_parameters() if p._version != versions[name]]
-        if changed:
-            return (f"the forward changes {changed[0]} in place, each process from its own share (nn.Embedding's "
-                    "max_norm, say): the processes' copies drift apart",
-                    "change parameters only through their gradients, or after optimizer steps")  # fmt: skip
+    changed = changed_in_place(model, batch) if batch is not None else None
+    if changed:
+        return (f"the forward changes {changed} in place, each process from its own share (nn.Embedding's "
+                "max_norm, say): the processes' copies drift apart",
+                "change parameters only through their gradients, or after optimizer steps")  # fmt: skip
     return ("the loss is not the mean over the batch's samples (a sum, or a mean over a count that differs between "
             "ranks), or the model draws or reads something that depends on the rank",
             "return the mean per sample from loss_fn: DDP averages the ranks' gradients")  # fmt: skip
+
+
+def changed_in_place(model, batch):
+    """The first parameter a forward of `model` on `batch` changes in place, or None."""
+    versions = {name: p._version for name, p in model.named_parameters()}  # bumped by each in-place change
+    with torch.no_grad():
+        model(model_inputs(batch))
+    return next((name for name, p in model.named_parameters() if p._version != versions[name]), None)
 
 
 def resume_check(build_model, batches, loss_fn, cfg):
@@ -201,50 +205,59 @@ def rank_data_check(task, cfg):
 
 
 def data_position_check(task, cfg):
-    """Training batch RESUMED_AT of an epoch on rank 0 of 2 (the loader as train.py builds it,
-    with --num_workers), read straight through and read first after a resume there: a new
-    dataset and loader, the random generators as the checkpoint restores them, the sampler
-    started past the batches done. The same, or the resumed run trains on other data."""
-    cfg = dataclasses.replace(cfg, batch_size=2, grad_accum_steps=1, persistent_workers=False)
+    """Training batch RESUMED_AT of epoch 1 on rank 0 of 2 (the loader as train.py builds it,
+    with --num_workers and --persistent_workers), read as a run reads it, on from a batch of
+    epoch 0, and read first after a resume there: a new dataset and loader, the random
+    generators as the checkpoint restores them, the sampler started past the batches done.
+    The same, or the resumed run trains on other data."""
+    cfg = dataclasses.replace(cfg, batch_size=2, grad_accum_steps=1)
     ctx = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), store=None, local_world_size=2)
     global_batch = cfg.batch_size * ctx.world_size
+    iterators = []  # each ended (its workers) before the check returns
 
     def loader():
         train_set, val_set = task.build_datasets(cfg)
         if len(train_set) < (RESUMED_AT + 1) * global_batch:
             raise ValueError(f"the training set has fewer than {(RESUMED_AT + 1) * global_batch} samples")
-        return build_loaders(cfg, ctx, train_set, val_set)[0]
+        return build_loaders(cfg, ctx, train_set, val_set)
 
-    def read(batches, start=0, state=None):
-        """`batches` batches of epoch EPOCH from a loader built now, from the sampler's `start`,
-        and the random generators after each (what a checkpoint after its step would hold)."""
-        train_loader = loader()
-        if state is not None:
-            set_rng_state(state)  # the checkpoint's, restored after the build, as train.py does
-        start_epoch(train_loader, EPOCH, ctx.rank, cfg.seed, start=start)
-        iterator, read, states = iter(train_loader), [], []
-        try:
-            for _ in range(batches):
-                read.append(next(iterator))
-                states.append(rng_state())
-        finally:
-            getattr(iterator, "_shutdown_workers", lambda: None)()  # its workers end now
-        return read, states
+    def read(loaders, epoch, batches, start=0):
+        """`batches` batches of `epoch` from the sampler's `start`, and the random generators
+        after each (what a checkpoint after its step holds)."""
+        start_epoch(loaders[0], epoch, ctx.rank, cfg.seed, start=start)
+        iterators.append(iter(loaders[0]))
+        got, states = [], []
+        for _ in range(batches):
+            got.append(next(iterators[-1]))
+            states.append(rng_state())
+        return got, states
 
     try:
         with generators_kept() as before, as_rank(0, 2):
-            straight, states = read(RESUMED_AT + 1)
+            loaders = loader()
+            iterators.append(getattr(loaders[1], "_iterator", None))  # persistent validation workers
+            read(loaders, 0, 1)
+            straight, states = read(loaders, 1, RESUMED_AT + 1)
             set_rng_state(before)  # a new process
-            (resumed,), _ = read(1, start=RESUMED_AT * global_batch, state=states[RESUMED_AT - 1])
+            loaders = loader()
+            iterators.append(getattr(loaders[1], "_iterator", None))  # persistent validation workers
+            set_rng_state(states[RESUMED_AT - 1])  # the checkpoint's, restored after the build, as train.py does
+            (resumed,), _ = read(loaders, 1, 1, start=RESUMED_AT * global_batch)
     except Exception as error:
         why = f"{type(error).__name__}: {first_line(error)}"
         return check("data position", "warn", f"not checked: reading the training set as rank 0 of 2 raised {why}")
+    finally:
+        for iterator in iterators:
+            getattr(iterator, "_shutdown_workers", lambda: None)()  # its workers end now
     if not same(straight[RESUMED_AT], resumed):
         workers = f" (--num_workers {cfg.num_workers})" if cfg.num_workers else ""
         why = (f"training batch {RESUMED_AT} of an epoch differs after a resume there{workers}: the dataset draws "
-               "random numbers that depend on how far the loader has read, or keeps a count of its own")  # fmt: skip
-        return check("data position", "fail", why, "derive each sample's randomness from (seed, epoch, index), as "
-                     "the vision task's augment does with ddp_utils.data.mix_seed")  # fmt: skip
+               "random numbers that depend on how far the loader has read, or keeps a count or an epoch of its "
+               "own")  # fmt: skip
+        fix = ("derive each sample from (seed, epoch, index) alone, as the vision task's augment does with "
+               "ddp_utils.data.mix_seed (an epoch set in the training process reaches persistent workers only "
+               "through shared memory: the tasks' set_epoch)")  # fmt: skip
+        return check("data position", "fail", why, fix)
     return check("data position", "pass", f"a resume at training batch {RESUMED_AT} of an epoch reads the same "
                  "next batch as the run that went on")  # fmt: skip
 

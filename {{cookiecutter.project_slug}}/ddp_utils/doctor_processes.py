@@ -6,21 +6,24 @@ processes are the doctor's only ones, spawned here and gone when processes_check
 import contextlib
 import dataclasses
 import json
+import os
 import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 from torch import distributed as dist
+from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from .contract import batch_size, model_inputs
 from .dist import DistContext
 from .doctor_checks import check, first_line, halves
-from .doctor_equivalence import FSDP_FIX, cause_of_difference, generators_kept, without_dropout
+from .doctor_equivalence import FSDP_FIX, cause_of_difference, changed_in_place, generators_kept, without_dropout
 from .knobs import ConfigError
 from .optim import build_optimizer, clip_grad_norm
 from .strategy import build_module, build_strategy
@@ -52,13 +55,6 @@ def processes_check(build_model, batch, loss_fn, cfg):
             with contextlib.suppress(ConfigError):  # fsdp_check's row names the setting fsdp refuses
                 stages[name] = dataclasses.replace(cfg, strategy="fsdp", amp="none", replicate_degree=replicas,
                                                    async_checkpoint=False)  # fmt: skip
-    job = {"stages": stages, "build_model": build_model, "loss_fn": loss_fn, "shares": shares,
-           "micro": [[halves(m)[rank] for m in micro] for rank in (0, 1)]}  # fmt: skip
-    with tempfile.TemporaryDirectory() as folder:
-        folder = Path(folder)
-        problem = run_processes(folder, job)
-        results = {stage: torch.load(folder / f"{stage}.pt", weights_only=True)
-                   for stage in stages if (folder / f"{stage}.pt").exists()}  # fmt: skip
     with generators_kept():
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
@@ -71,18 +67,34 @@ def processes_check(build_model, batch, loss_fn, cfg):
             expected = {"gradients": {"gradient": gradients, "buffer": dict(model.named_buffers())}}
             if micro:
                 stepped = reference(stages["ddp"], build_model, lambda m: train_steps(m, stages["ddp"], micro, loss_fn))
-                after = {"parameter": dict(stepped.named_parameters()), "buffer": dict(stepped.named_buffers())}
-                expected.update(dict.fromkeys(set(stages) - {"gradients"}, after))
+                expected["ddp"] = {
+                    "parameter": dict(stepped.named_parameters()),
+                    "buffer": dict(stepped.named_buffers()),
+                }
         finally:
             torch.set_default_dtype(previous)
+    if any(isinstance(module, nn.SyncBatchNorm) for module in model.modules()):
+        why = "not checked: DDP on the CPU refuses nn.SyncBatchNorm (GPU modules only)"
+        return [check("1 vs 2 processes", "warn", why), check("sharded steps", "warn", why)]
+    job = {"stages": stages, "build_model": build_model, "loss_fn": loss_fn, "shares": shares,
+           "micro": [[halves(m)[rank] for m in micro] for rank in (0, 1)]}  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        problem = run_processes(folder, job)
+        results = {stage: torch.load(folder / f"{stage}.pt", weights_only=True)
+                   for stage in stages if (folder / f"{stage}.pt").exists()}  # fmt: skip
     ddp = stage_row("1 vs 2 processes", ["gradients", "ddp"], expected, results, problem, model, batch, cfg)
     if not micro:
         return [ddp, check("sharded steps", "warn", "not checked: the training set has fewer than 4 samples")]
+    if "ddp" not in results:
+        why = "not checked: the 2 processes' steps under DDP, which fsdp and hsdp must equal, did not finish"
+        return [ddp, check("sharded steps", "warn", why)]
+    expected.update({stage: results["ddp"] for stage in ("fsdp", "hsdp") if stage in stages})
     return [ddp, stage_row("sharded steps", ["fsdp", "hsdp"], expected, results, problem, model, batch, cfg)]
 
 
 ACCUMULATION, STEPS = 2, 2  # the steps of processes_check: each of this many micro-batches per rank
-PROCESSES_TIMEOUT = 120  # seconds for the 2 processes of processes_check: spawned, they import torch first
+PROCESSES_TIMEOUT = 300  # seconds for the 2 processes of processes_check: spawned, they import torch first
 STAGES = {  # what each stage of processes_check runs, for its rows
     "gradients": "a backward under DDP",
     "ddp": f"{STEPS} steps under DDP",
@@ -125,14 +137,15 @@ def reference(cfg, build_model, run):
 
 
 def stage_row(name, stages, expected, results, problem, model, batch, cfg):
-    """The row `name` of processes_check for `stages`: the first that raised or differs, in
-    order, fails; a stage not run (the processes did not finish) makes it a warning."""
+    """The row `name` of processes_check for `stages`: the first that raised or differs from
+    `expected`, in order, fails; a stage not run (the processes did not finish) makes it a
+    warning."""
     done = []
     for stage in stages:
         if stage not in expected:  # fsdp refuses the config: fsdp_check's row says why
             continue
         if stage not in results:
-            if problem and problem[0] == stage and problem[1] != "timeout":
+            if problem and problem[0] == stage and problem[1]:
                 refused = problem[1] == "TrainingError" and cfg.strategy != "fsdp"
                 why = f"{STAGES[stage]}, rank {problem[2]} raises {problem[1]}: {problem[3]}"
                 return check(name, "warn" if refused else "fail", why, FSDP_FIX if stage in ("fsdp", "hsdp") else "")
@@ -140,28 +153,47 @@ def stage_row(name, stages, expected, results, problem, model, batch, cfg):
             return check(name, "warn", why[:300])
         for kind, tensors in expected[stage].items():
             for tensor_name, tensor in tensors.items():
-                got = results[stage].get(kind, {}).get(tensor_name)
-                scale = tensor.abs().max().item() or 1.0
-                if got is None or (tensor - got).abs().max().item() > 1e-10 * scale:
-                    if stage in ("fsdp", "hsdp"):
-                        return check(name, "fail", f"{tensor_name} differs after {STAGES[stage]}", FSDP_FIX)
-                    cause, fix = cause_of_difference(model, batch)
-                    return check(name, "fail", f"{tensor_name}'s {kind} differs after {STAGES[stage]}: {cause}", fix)
+                if differs(tensor, results[stage].get(kind, {}).get(tensor_name)):
+                    return difference_row(name, stage, f"{tensor_name}'s {kind}", model, batch)
         done.append(stage)
     if name == "1 vs 2 processes":
-        why = (f"2 gloo processes under DDP and 1 agree to 1e-10 (float64): gradients, buffers, and parameters "
-               f"after {STEPS} AdamW steps of {ACCUMULATION} accumulated micro-batches")  # fmt: skip
+        steps = f", and parameters after {STEPS} AdamW steps of {ACCUMULATION} accumulated micro-batches"
+        why = f"2 gloo processes under DDP and 1 agree to 1e-10 (float64): gradients, buffers{steps * ('ddp' in done)}"
         return check(name, "pass", why)
     if not done:
         return check(name, "warn", "not checked: --strategy fsdp refuses this config (see fsdp = ddp)")
     under = " and ".join({"fsdp": "fsdp (sharded over 2 gloo processes)", "hsdp": "hsdp (2 replicas)"}[s] for s in done)
-    why = f"{STEPS} AdamW steps of {ACCUMULATION} accumulated micro-batches under {under} equal 1 process's to 1e-10"
+    why = f"{STEPS} AdamW steps of {ACCUMULATION} accumulated micro-batches under {under} equal DDP's to 1e-10"
     return check(name, "pass", why)
+
+
+def differs(expected, got):
+    """Not the same: a float tensor off by more than 1e-10 of its largest entry, any other
+    dtype not equal."""
+    if got is None or got.shape != expected.shape:
+        return True
+    if not expected.is_floating_point() or expected.numel() == 0:
+        return not torch.equal(expected, got)
+    return (expected - got).abs().max().item() > 1e-10 * (expected.abs().max().item() or 1.0)
+
+
+def difference_row(name, stage, what, model, batch):
+    """The fail of `what` differing after `stage`, with its likely cause: for fsdp and hsdp
+    against DDP, a forward that changes a parameter in place, else a parameter used outside
+    its shard unit."""
+    if stage in ("fsdp", "hsdp"):
+        changed = changed_in_place(model, batch)
+        cause = f"the forward changes {changed} in place" if changed else "a parameter used outside its shard unit"
+        return check(name, "fail", f"{what} differs after {STAGES[stage]} from DDP's: {cause}", FSDP_FIX)
+    cause, fix = cause_of_difference(model, batch)
+    return check(name, "fail", f"{what} differs after {STAGES[stage]}: {cause}", fix)
 
 
 def run_processes(folder, job):
     """processes_check's 2 processes, on `job` (pickled to FOLDER/job.pkl): None when both ended
-    well, else (stage, error type or "timeout", rank, why)."""
+    well, else (stage, the error type it raised or None, rank, why): the first error raised
+    (the other rank's is then often only the lost connection), or the first process that
+    ended otherwise, or the timeout."""
     (folder / "path.json").write_text(json.dumps(sys.path))  # where this process finds the model's code
     with open(folder / "job.pkl", "wb") as file:
         pickle.dump(job, file)
@@ -176,18 +208,21 @@ def run_processes(folder, job):
             if any(p.poll() not in (None, 0) for p in processes):
                 break  # one failed: the other would wait for it in a collective
             time.sleep(0.05)
+        ended = [(rank, p.returncode) for rank, p in enumerate(processes) if p.poll() not in (None, 0)]
     finally:
         for process in processes:
             process.kill()  # one that has exited is left as it is
             process.wait()
-    errors = sorted(folder.glob("rank*.error"))
-    if errors:
-        return tuple(json.loads(errors[0].read_text()))
-    if all(p.returncode == 0 for p in processes):
-        return None
-    log = (folder / "rank0.log").read_text().strip().splitlines()
     unfinished = next((stage for stage in job["stages"] if not (folder / f"{stage}.pt").exists()), None)
-    return (unfinished, "timeout", 0, log[-1] if log else f"{PROCESSES_TIMEOUT} s")
+    errors = [json.loads(path.read_text()) for path in folder.glob("rank*.error")]
+    if errors:
+        return tuple(min(errors, key=lambda error: error[-1])[:-1])  # the earliest
+    if ended:
+        log = (folder / f"rank{ended[0][0]}.log").read_text().strip().splitlines()
+        return (unfinished, None, ended[0][0], log[-1] if log else f"exit status {ended[0][1]}")
+    if unfinished is None:
+        return None
+    return (unfinished, None, 0, f"{PROCESSES_TIMEOUT} s")
 
 
 # The command of each of processes_check's 2 processes: the model's code found as this process
@@ -204,6 +239,8 @@ def rank_main(folder, rank):
     """One of processes_check's 2 processes: each stage of the job in turn, its results from
     rank 0 to FOLDER/<stage>.pt; what it raised to FOLDER/rank<N>.error."""
     folder, stage = Path(folder), None
+    parent = os.getppid()
+    threading.Thread(target=end_when_orphaned, args=(parent,), name="orphaned", daemon=True).start()
     try:
         with open(folder / "job.pkl", "rb") as file:
             job = pickle.load(file)
@@ -231,8 +268,17 @@ def rank_main(folder, rank):
                 (folder / f"{stage}.pt.partial").replace(folder / f"{stage}.pt")
         dist.destroy_process_group()
     except Exception as error:
-        (folder / f"rank{rank}.error").write_text(json.dumps([stage, type(error).__name__, rank, first_line(error)]))
+        error = [stage, type(error).__name__, rank, first_line(error), time.time()]
+        (folder / f"rank{rank}.error").write_text(json.dumps(error))
         sys.exit(1)
+
+
+def end_when_orphaned(parent):
+    """A rank whose doctor has gone (killed, say, where its cleanup cannot run) ends too,
+    instead of waiting for the other in a collective for gloo's 30 minutes."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
 
 
 def whole(tensor):

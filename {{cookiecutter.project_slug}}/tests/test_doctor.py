@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PROJECT, TINY, descendants
-from doctor_models import Normed, linear, loss_fn, loss_per_class_present, normed, renormed
+from doctor_models import Normed, fails_on_rank1, linear, loss_fn, loss_per_class_present, normed, renormed
 from torch import nn
 
 import doctor
@@ -23,7 +23,10 @@ from ddp_utils.contract import load_task
 
 
 def test_the_shipped_task_passes_the_doctor(tmp_path, capsys):
-    code = doctor.main([*TINY, "--output_dir", str(tmp_path), "--nodes", "2", "--gpus_per_node", "2"])
+    # A loader worker: the data position check reads as a run with workers reads.
+    code = doctor.main(
+        [*TINY, "--output_dir", str(tmp_path), "--nodes", "2", "--gpus_per_node", "2", "--num_workers", "1"]
+    )
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "doctor.json").read_text())
     statuses = {row["check"]: row["status"] for row in report["checks"]}
@@ -283,7 +286,29 @@ def test_a_forward_that_changes_parameters_is_found_by_the_steps_of_two_processe
     assert set(descendants(os.getpid())) == before
     assert ddp["status"] == "fail" and ddp["summary"].startswith("embedding.weight's parameter differs after 2 steps")
     assert "the forward changes embedding.weight in place" in ddp["summary"], ddp
-    assert sharded["status"] == "fail" and "embedding.weight differs after 2 steps under fsdp" in sharded["summary"]
+    assert sharded["status"] == "fail", sharded  # and not for the shard units: the same cause
+    assert sharded["summary"].startswith("embedding.weight's parameter differs after 2 steps under fsdp"), sharded
+    assert sharded["summary"].endswith("from DDP's: the forward changes embedding.weight in place"), sharded
+
+
+def test_the_rank_that_raised_is_named_not_the_peer_it_left():
+    ddp, sharded = doctor_processes.processes_check(fails_on_rank1, doctor_checks.to_float64(BATCH), loss_fn, cfg_for())
+    assert ddp["status"] == "fail", ddp
+    assert ddp["summary"] == "a backward under DDP, rank 1 raises ValueError: rank 1's own fault", ddp
+    assert sharded["status"] == "warn", sharded
+
+
+def test_a_model_with_torchs_sync_batch_norm_is_checked_in_one_process():
+    """DDP refuses nn.SyncBatchNorm on the CPU: the 2 processes are not started, and the report
+    falls back to the arithmetic in one process, where it counts as synchronised."""
+
+    def build(cfg=None):
+        return nn.Sequential(nn.Linear(8, 4), nn.SyncBatchNorm(4))
+
+    ddp, sharded = doctor_processes.processes_check(build, doctor_checks.to_float64(BATCH), loss_fn, cfg_for())
+    assert ddp["status"] == sharded["status"] == "warn" and "SyncBatchNorm" in ddp["summary"], ddp
+    row = doctor_equivalence.equivalence_check(build().double(), doctor_checks.to_float64(BATCH), loss_fn)
+    assert row["status"] == "pass", row
 
 
 def test_a_synchronised_norm_and_a_plain_model_are_the_same_on_one_process_and_two():
@@ -372,18 +397,21 @@ def test_data_that_depends_on_the_rank_is_found(where, status):
 
 
 class Augmented(torch.utils.data.Dataset):
-    """Rows with noise drawn from the reading process's generator (`draw`), or scaled by a
-    count of the reads this copy has served (`count`)."""
+    """Rows with noise drawn from the reading process's generator (`draw`), scaled by a count
+    of the reads this copy has served (`count`), or shifted by the epoch `set_epoch` sets in
+    a plain attribute (`epoch`), which persistent workers' copies never see."""
 
-    def __init__(self, draw=False, count=False):
-        self.draw, self.count, self.reads = draw, count, 0
+    def __init__(self, draw=False, count=False, epoch=False):
+        self.draw, self.count, self.reads, self.epoch = draw, count, 0, 0
+        if epoch:
+            self.set_epoch = lambda epoch: setattr(self, "epoch", epoch)
 
     def __len__(self):
         return 64
 
     def __getitem__(self, index):
         self.reads += 1
-        row = torch.full((8,), float(index)) + (torch.rand(8) if self.draw else 0)
+        row = torch.full((8,), float(index + 100 * self.epoch)) + (torch.rand(8) if self.draw else 0)
         return row * (self.reads if self.count else 1), index % 4
 
 
@@ -393,13 +421,16 @@ class Augmented(torch.utils.data.Dataset):
         (dict(draw=True), 0, "pass"),  # drawn in this process: the checkpoint restores the generators
         (dict(draw=True), 1, "fail"),  # a worker's generator restarts at the epoch's seed on a resume
         (dict(count=True), 0, "fail"),
+        (dict(epoch=True), 0, "pass"),
+        (dict(epoch=True), 1, "fail"),  # persistent workers (the default) keep epoch 0
         (dict(), 1, "pass"),
     ],
 )
 def test_a_resume_that_reads_other_data_is_found(data, workers, status):
     task = dataclasses.replace(load_task(), build_datasets=lambda cfg: (Augmented(**data), Augmented(**data)))
     before = set(descendants(os.getpid()))
-    row = doctor_equivalence.data_position_check(task, cfg_for("--num_workers", str(workers)))
+    row = doctor_equivalence.data_position_check(task, cfg_for("--num_workers", str(workers), "--persistent_workers",
+                                                               "true"))  # fmt: skip
     assert set(descendants(os.getpid())) == before  # the workers are gone
     assert row["check"] == "data position" and row["status"] == status, row
     if status == "fail":
