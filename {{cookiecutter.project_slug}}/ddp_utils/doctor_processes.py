@@ -39,9 +39,10 @@ def processes_check(build_model, batch, loss_fn, cfg):
       them (no all-reduce but on the last, the loss divided, the gradients clipped): the
       parameters and buffers after them.
     - "sharded steps": the same steps under fsdp over the 2 processes and under hsdp (2
-      replicas of one process), the parameters gathered whole.
+      replicas of one process), the parameters gathered whole against DDP's.
     The processes are spawned and gone when it returns (killed if they have not ended in
-    PROCESSES_TIMEOUT s)."""
+    PROCESSES_TIMEOUT s). A model with torch's SyncBatchNorm, which DDP refuses on the CPU,
+    gets warnings: doctor.py then checks it in one process (equivalence_check)."""
     shares = halves(batch)
     if batch_size(shares[0]) == 0:
         why = "not checked: the training set has fewer than 2 samples"
