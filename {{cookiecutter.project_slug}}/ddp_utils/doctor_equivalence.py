@@ -80,16 +80,19 @@ def cause_of_difference(model, batch=None):
              if isinstance(module, batch_norm) and module.training and not isinstance(module, synced)
              and not getattr(module, "same_buffers_on_every_rank", False)]  # fmt: skip
     if norms:
-        fix = "nn.SyncBatchNorm.convert_sync_batchnorm(model) (or a norm per sample: LayerNorm, GroupNorm)"
+        fix = "nn.SyncBatchNorm.convert_sync_batchnorm(model) (GPUs only: DDP refuses it on the CPU), or GroupNorm"
         return f"{norms[0]} normalises each process's share with its own statistics", fix
     changed = changed_in_place(model, batch) if batch is not None else None
     if changed:
         return (f"the forward changes {changed} in place, each process from its own share (nn.Embedding's "
                 "max_norm, say): the processes' copies drift apart",
-                "change parameters only through their gradients, or after optimizer steps")  # fmt: skip
+                IN_PLACE_FIX)  # fmt: skip
     return ("the loss is not the mean over the batch's samples (a sum, or a mean over a count that differs between "
             "ranks), or the model draws or reads something that depends on the rank",
             "return the mean per sample from loss_fn: DDP averages the ranks' gradients")  # fmt: skip
+
+
+IN_PLACE_FIX = "change parameters only through their gradients, or after optimizer steps"
 
 
 def changed_in_place(model, batch):

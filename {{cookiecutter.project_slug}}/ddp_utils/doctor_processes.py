@@ -23,7 +23,14 @@ from torch.utils._pytree import tree_map_only
 from .contract import batch_size, model_inputs
 from .dist import DistContext
 from .doctor_checks import check, first_line, halves
-from .doctor_equivalence import FSDP_FIX, cause_of_difference, changed_in_place, generators_kept, without_dropout
+from .doctor_equivalence import (
+    FSDP_FIX,
+    IN_PLACE_FIX,
+    cause_of_difference,
+    changed_in_place,
+    generators_kept,
+    without_dropout,
+)
 from .knobs import ConfigError
 from .optim import build_optimizer, clip_grad_norm
 from .strategy import build_module, build_strategy
@@ -184,8 +191,11 @@ def difference_row(name, stage, what, model, batch):
     its shard unit."""
     if stage in ("fsdp", "hsdp"):
         changed = changed_in_place(model, batch)
-        cause = f"the forward changes {changed} in place" if changed else "a parameter used outside its shard unit"
-        return check(name, "fail", f"{what} differs after {STAGES[stage]} from DDP's: {cause}", FSDP_FIX)
+        if not changed:
+            why = f"{what} differs after {STAGES[stage]} from DDP's: a parameter used outside its shard unit"
+            return check(name, "fail", why, FSDP_FIX)
+        return check(name, "fail", f"{what} differs after {STAGES[stage]} from DDP's: the forward changes {changed} "
+                     "in place (under fsdp, in a copy gathered for it and then freed)", IN_PLACE_FIX)  # fmt: skip
     cause, fix = cause_of_difference(model, batch)
     return check(name, "fail", f"{what} differs after {STAGES[stage]}: {cause}", fix)
 
