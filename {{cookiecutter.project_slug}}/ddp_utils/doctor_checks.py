@@ -59,6 +59,21 @@ def same_leaf(x, y):
     return torch.equal(x, y) or (x.is_floating_point() and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
 
 
+def differs(expected, got):
+    """Not the same: a float tensor off by more than 1e-10 of its largest entry, any other
+    dtype not equal."""
+    if got is None or got.shape != expected.shape:
+        return True
+    if not expected.is_floating_point() or expected.numel() == 0:
+        return not torch.equal(expected, got)
+    return (expected - got).abs().max().item() > 1e-10 * (expected.abs().max().item() or 1.0)
+
+
+def whole(tensor):
+    """A parameter as a plain tensor: FSDP's shards gathered (a collective), others detached."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
+
+
 def first_line(error):
     return (str(error).strip().splitlines() or [""])[0][:200]
 

@@ -19,7 +19,7 @@ from .checkpoint import rng_state, set_rng_state
 from .contract import batch_size, model_inputs
 from .data import build_loaders, start_epoch
 from .dist import DistContext
-from .doctor_checks import check, first_line, halves, same
+from .doctor_checks import check, differs, first_line, halves, same, whole
 from .faults import TrainingError
 from .knobs import ConfigError
 from .optim import build_optimizer
@@ -51,11 +51,10 @@ def equivalence_check(model, batch, loss_fn):
         synced = isinstance(module, nn.SyncBatchNorm) or getattr(module, "same_buffers_on_every_rank", False)
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not synced:
             module.train()
-    whole = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
-    whole, split = gradients(model, [whole], loss_fn), gradients(model, shares, loss_fn)
-    for name, grad in whole.items():
-        scale = grad.abs().max().item() or 1.0
-        if name not in split or (grad - split[name]).abs().max().item() > 1e-10 * scale:
+    full = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
+    full, split = gradients(model, [full], loss_fn), gradients(model, shares, loss_fn)
+    for name, grad in full.items():
+        if differs(grad, split.get(name)):
             cause, fix = cause_of_difference(model)
             return check("1 vs 2 processes", "fail", f"{name}'s gradient differs: {cause}", fix)
     return check("1 vs 2 processes", "pass", "the gradients of a batch and of its halves agree to 1e-10 (float64)")
@@ -298,8 +297,7 @@ def fsdp_check(build_model, batch, loss_fn, cfg):
                 loss_fn(model(model_inputs(batch)), batch).backward()
                 optimizer.step()
         for (name, expected), got in zip(plain.named_parameters(), sharded.parameters()):
-            got = got.full_tensor() if hasattr(got, "full_tensor") else got
-            if (expected - got).abs().max().item() > 1e-10 * (expected.abs().max().item() or 1.0):
+            if differs(expected, whole(got)):
                 return check("fsdp = ddp", "fail", f"{name} differs after a step under fsdp", FSDP_FIX)
     except (TrainingError, ConfigError) as error:  # a setting --strategy fsdp refuses: it names the flag
         return check("fsdp = ddp", "fail" if cfg.strategy == "fsdp" else "warn", f"--strategy fsdp refuses: {error}")

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 from .contract import batch_size, model_inputs
 from .dist import DistContext
-from .doctor_checks import check, first_line, halves
+from .doctor_checks import check, differs, first_line, halves, whole
 from .doctor_equivalence import (
     FSDP_FIX,
     IN_PLACE_FIX,
@@ -67,9 +67,9 @@ def processes_check(build_model, batch, loss_fn, cfg):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
         try:
-            whole = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
+            full = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
             model = reference(
-                stages["gradients"], build_model, lambda m: loss_fn(m(model_inputs(whole)), whole).backward()
+                stages["gradients"], build_model, lambda m: loss_fn(m(model_inputs(full)), full).backward()
             )
             gradients = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
             expected = {"gradients": {"gradient": gradients, "buffer": dict(model.named_buffers())}}
@@ -173,16 +173,6 @@ def stage_row(name, stages, expected, results, problem, model, batch, cfg):
     under = " and ".join({"fsdp": "fsdp (sharded over 2 gloo processes)", "hsdp": "hsdp (2 replicas)"}[s] for s in done)
     why = f"{STEPS} AdamW steps of {ACCUMULATION} accumulated micro-batches under {under} equal DDP's to 1e-10"
     return check(name, "pass", why)
-
-
-def differs(expected, got):
-    """Not the same: a float tensor off by more than 1e-10 of its largest entry, any other
-    dtype not equal."""
-    if got is None or got.shape != expected.shape:
-        return True
-    if not expected.is_floating_point() or expected.numel() == 0:
-        return not torch.equal(expected, got)
-    return (expected - got).abs().max().item() > 1e-10 * (expected.abs().max().item() or 1.0)
 
 
 def difference_row(name, stage, what, model, batch):
@@ -290,8 +280,3 @@ def end_when_orphaned(parent):
     while os.getppid() == parent:
         time.sleep(1)
     os._exit(1)
-
-
-def whole(tensor):
-    """A parameter as a plain tensor: FSDP's shards gathered (a collective), others detached."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
