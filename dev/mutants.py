@@ -440,6 +440,16 @@ MUTANTS = [
         task="vision",
     ),
     Mutant(
+        "augmentation_epoch_not_shared_with_workers",
+        "the epoch set in a plain attribute: persistent DataLoader workers crop the first epoch's way "
+        "ever after, and a resume reads other images (the vision bake's CI runs the doctor, not the SIGTERM test)",
+        "dataset.py",
+        "self.epoch.fill_(epoch)",
+        "self.epoch = torch.tensor(epoch)",
+        ("tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",),
+        task="vision",
+    ),
+    Mutant(
         "augmentation_from_the_global_rng",
         "crops and flips drawn from the process's generator, not (seed, epoch, index)",
         "dataset.py",

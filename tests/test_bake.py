@@ -166,19 +166,19 @@ def test_default_project_suite(default_project, modules):
     assert "failed" not in result.stdout and (" passed" in result.stdout or " skipped" in result.stdout)
 
 
-# The other tasks' own tests, and the shared guarantees that depend on the model and data:
-# exact mid-epoch resume after SIGTERM, and world-size equivalence, which the doctor checks on
-# the task's model and data (its 1 vs 2 processes and sharded steps: DDP with accumulation,
-# fsdp and hsdp in 2 gloo processes against one, in float64; its data per rank and data
-# position). Every other shared test exercises train.py, which is the same for every task: the
-# default bake runs them, and test_own_model.py the world-size test on a third model.
-# The SIGTERM test with DataLoader workers only: it holds the other's checks (its reference run
-# has none) and adds the dataset's pickling and its epoch in shared memory.
+# The other tasks' own tests, and the shared guarantees that depend on the model and data,
+# which the doctor checks on the task's model and data: world-size equivalence (its 1 vs 2
+# processes and sharded steps: DDP with accumulation, fsdp and hsdp in 2 gloo processes
+# against one, in float64; its data per rank) and exact mid-epoch resume (its exact resume,
+# and its data position: a resume's batches against an uninterrupted run's, read by a loader
+# worker as train.py builds it, persistent across epochs). Every other shared test exercises
+# train.py, which is the same for every task: the default bake runs them, and
+# test_own_model.py the world-size and SIGTERM tests on a third model (a tabular bake: its
+# dataset in DataLoader workers through a SIGTERM).
 TASK_TESTS = [
     "tests/test_task.py",
     "tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",
     "tests/test_experiments.py::test_example_experiments_are_valid_configs",
-    "tests/test_preemption.py::test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact[2]",
 ]
 
 

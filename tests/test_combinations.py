@@ -18,6 +18,13 @@ COMBINATIONS = [(task, amp, slurm, kubernetes, counts) for task, amp, (slurm, ku
                 in itertools.product(TASKS, AMPS, PLATFORMS, COUNTS)]  # fmt: skip
 
 
+def test_one_worker_bakes_them_all(request):
+    """Under dev/test.sh (xdist, --dist loadgroup) these tests are one unit of work. A pytest or
+    pytest-xdist that drops the group passes everything, slowly: each worker bakes them all."""
+    if request.config.getoption("loadgroup", False):  # set in xdist's workers by --dist loadgroup
+        assert request.node.nodeid.endswith("@combinations"), "xdist_group ignored: see requirements-dev.txt"
+
+
 @pytest.fixture(scope="module")
 def bakes(cookies_session):
     projects = {}

@@ -18,7 +18,7 @@ GUARANTEES = [
     "tests/test_fsdp.py::test_fsdp_trains_the_same_parameters_as_ddp",
     "tests/test_fsdp.py::test_sigterm_under_fsdp_saves_shards_and_resume_is_exact",
     "tests/test_correctness.py::test_world_size_and_accumulation_give_the_same_parameters",
-    "tests/test_preemption.py::test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact[2]",
+    "tests/test_preemption.py::test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact",
     "tests/test_resilience.py::test_checkpoint_of_another_model_shape_is_refused",
     "tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",
 ]
