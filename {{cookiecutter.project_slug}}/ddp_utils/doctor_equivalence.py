@@ -221,7 +221,9 @@ def data_position_check(task, cfg):
         train_set, val_set = task.build_datasets(cfg)
         if len(train_set) < (RESUMED_AT + 1) * global_batch:
             raise ValueError(f"the training set has fewer than {(RESUMED_AT + 1) * global_batch} samples")
-        return build_loaders(cfg, ctx, train_set, val_set)
+        loaders = build_loaders(cfg, ctx, train_set, val_set)
+        iterators.append(getattr(loaders[1], "_iterator", None))  # persistent validation workers
+        return loaders
 
     def read(loaders, epoch, batches, start=0):
         """`batches` batches of `epoch` from the sampler's `start`, and the random generators
@@ -237,12 +239,10 @@ def data_position_check(task, cfg):
     try:
         with generators_kept() as before, as_rank(0, 2):
             loaders = loader()
-            iterators.append(getattr(loaders[1], "_iterator", None))  # persistent validation workers
             read(loaders, 0, 1)
             straight, states = read(loaders, 1, RESUMED_AT + 1)
             set_rng_state(before)  # a new process
             loaders = loader()
-            iterators.append(getattr(loaders[1], "_iterator", None))  # persistent validation workers
             set_rng_state(states[RESUMED_AT - 1])  # the checkpoint's, restored after the build, as train.py does
             (resumed,), _ = read(loaders, 1, 1, start=RESUMED_AT * global_batch)
     except Exception as error:
