@@ -185,8 +185,9 @@ class ReferenceRuns:
         return output_dir
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory):
+    """Read only, so one pytest run's modules share them (a run of the whole suite makes each once)."""
     return ReferenceRuns(tmp_path_factory)
 
 
