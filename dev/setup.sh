@@ -13,8 +13,9 @@ fi
 find_links=()
 [[ -d /opt/wheels ]] && find_links=(--find-links /opt/wheels)  # local torch CPU wheel, where present
 # uv, at the version requirements-dev.txt pins, installs the rest: the same packages as pip, in
-# about a third of pip's time on a fresh machine (parallel downloads and unpacking). Bytecode is
-# compiled at install, as pip does, so that no test process compiles torch's modules again.
+# about half of pip's time on a fresh machine (parallel downloads and unpacking). Bytecode is
+# compiled at install, as pip does, so that no test process compiles torch's modules again; files
+# are copied from uv's cache, not hard-linked, so that .venv stands alone.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "$(grep '^uv==' requirements-dev.txt)"
 .venv/bin/uv pip install --quiet --python .venv/bin/python --compile-bytecode --link-mode copy "${find_links[@]}" \
     -r requirements-dev.txt
