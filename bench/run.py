@@ -73,6 +73,7 @@ JOBS = {
     "tabular": {"input_dim": 256, "hidden_dim": 1024, "num_classes": 10, "batch_size": 64},
     "language": {"block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128, "batch_size": 16},
 }
+TINY_JOBS = {"tabular": {"hidden_dim": 64}, "language": {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}}
 FLOORS = {"tabular": "minimal_ddp.py", "language": "minimal_gpt_ddp.py"}
 
 
@@ -125,7 +126,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--samples", type=int, default=None, help="samples (windows) per epoch")
     parser.add_argument("--epochs", type=int, default=None)
-    parser.add_argument("--tiny", action="store_true", help="one round on 256 samples, to check the script works")
+    parser.add_argument("--tiny", action="store_true", help="one round of a tiny GPT or MLP, to check the script works")
     parser.add_argument("--markdown", type=Path, help="also write the report to this file")
     parser.add_argument("--ceiling", action="store_true",
                         help="language: also the floor with the generated loop's fused AdamW and DDP bucket views, "
@@ -142,8 +143,9 @@ def main():
         JOBS[args.task][name] = int(value)
     args.samples = args.samples or {"tabular": 16384, "language": 4096}[args.task]
     args.epochs = args.epochs or {"tabular": 2, "language": 1}[args.task]
-    if args.tiny:
+    if args.tiny:  # the script's path, not its numbers: one round of the smallest job
         args.rounds, args.samples, args.epochs = 1, 256, 1
+        JOBS[args.task].update(TINY_JOBS[args.task])
 
     work = Path(tempfile.mkdtemp(prefix="ddp-bench-"))
     project, args.data_flags = bake(args.task, work)

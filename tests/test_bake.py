@@ -139,17 +139,16 @@ GENERATED_TEST_MODULES = sorted(str(p.relative_to(GENERATED_TESTS)) for p in GEN
     "test_task.py"
 ]
 GENERATED_TEST_MODULES.remove("cluster/test_kubernetes.py")  # kubernetes=no here: the tabular bake runs it
-# The modules of a few minutes run one by one, to spread over the workers; the short ones
-# together (each run starts Python, torch and the test data afresh).
-SHORT = [
-    "test_config.py",
-    "test_data.py",
-    "test_diagnosis.py",
-    "test_doctor.py",
-    "test_inference.py",
-    "test_schedule.py",
+# The modules of a few minutes run one by one, to spread over the workers. Together: the short
+# ones (each run starts Python, torch and the test data afresh), and those that share a session
+# fixture's training runs (a run of its own would make them again).
+TOGETHER = [
+    ["test_config.py", "test_data.py", "test_diagnosis.py", "test_doctor.py", "test_inference.py", "test_schedule.py"],
+    ["test_preemption.py", "test_resilience.py"],  # the uninterrupted `reference` runs
+    ["cluster/test_multinode.py", "test_experiments.py"],  # `one_node_run`
 ]
-GENERATED_TEST_RUNS = [" ".join(SHORT)] + [m for m in GENERATED_TEST_MODULES if m not in SHORT]
+GENERATED_TEST_RUNS = [" ".join(group) for group in TOGETHER]
+GENERATED_TEST_RUNS += [m for m in GENERATED_TEST_MODULES if not any(m in group for group in TOGETHER)]
 # These time training against a prediction: dev/test.sh runs them after the others, alone.
 ALONE = {"cluster/test_network.py"}
 
