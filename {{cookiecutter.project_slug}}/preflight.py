@@ -24,6 +24,7 @@ per-rank lines go to stderr).
 
 import ipaddress
 import json
+import math
 import os
 import re
 import socket
@@ -55,6 +56,10 @@ SIZES_MB = (1, 4, 16, 64, 256)
 # Sizes past one all-reduce this long are not measured: on a slow link 256 MB takes minutes,
 # and the larger sizes add nothing (the time per byte is already the link's).
 SIZE_STOP_SECONDS = 1.0
+# A timed step's median over at least this long (and at least MIN_REPEATS steps): a fast step
+# timed 5 times sees a second of a shared machine's noise through a 0.3 s window.
+TIMED_SECONDS = 1.0
+MIN_REPEATS, MAX_REPEATS = 5, 25
 
 
 class PreflightError(RuntimeError):
@@ -207,11 +212,12 @@ def nccl_transport(log_text):
     return text
 
 
-def step_seconds(cfg, ctx, repeats=5, warmup=2):
+def step_seconds(cfg, ctx, warmup=2):
     """One optimizer step timed as train.py runs it: the same Trainer (model, amp, TF32,
     compile), micro-batches of the training data, the optimizer step; once with the gradients'
     all-reduce skipped (DDP's no_sync: the compute alone) and once with it, as the job will run
-    (its overlap with backward, the buckets, the library's overheads included).
+    (its overlap with backward, the buckets, the library's overheads included). Each is timed
+    over TIMED_SECONDS or MIN_REPEATS steps, whichever is more (at most MAX_REPEATS).
 
     Returns (compute seconds, synced seconds, {comm hook: bytes all-reduced per step}, {strategy:
     bytes each node sends to other nodes per step}): medians, the slowest rank's, so every rank
@@ -219,20 +225,25 @@ def step_seconds(cfg, ctx, repeats=5, warmup=2):
     """
     task, datasets, _ = check_inputs(cfg, ctx)  # bad data: an InputError, a PROBLEM line
     trainer = Trainer(cfg, ctx, task, datasets)
+
+    def timed_step(sync):
+        synchronize(ctx)
+        started = time.perf_counter()
+        for micro_step in range(cfg.grad_accum_steps):
+            trainer.train_step(batch, sync=sync and micro_step == cfg.grad_accum_steps - 1)
+        trainer.optimizer_step()
+        synchronize(ctx)
+        return time.perf_counter() - started
+
     try:
         batch = next(iter(trainer.train_loader))
         medians = []
         for sync in (False, True):
-            timings = []
-            for _ in range(warmup + repeats):  # the first steps compile and tune kernels
-                synchronize(ctx)
-                started = time.perf_counter()
-                for micro_step in range(cfg.grad_accum_steps):
-                    trainer.train_step(batch, sync=sync and micro_step == cfg.grad_accum_steps - 1)
-                trainer.optimizer_step()
-                synchronize(ctx)
-                timings.append(time.perf_counter() - started)
-            medians.append(sorted(timings[warmup:])[repeats // 2])
+            for _ in range(warmup - 1):  # the first steps compile and tune kernels
+                timed_step(sync)
+            repeats = agreed_repeats(ctx, timed_step(sync))
+            timings = sorted(timed_step(sync) for _ in range(repeats))
+            medians.append(timings[repeats // 2])
         trainer.settle()  # the last step's agreement, in flight
         slowest = torch.tensor(medians, dtype=torch.float64, device=ctx.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -243,6 +254,14 @@ def step_seconds(cfg, ctx, repeats=5, warmup=2):
         trainer.close("finished")  # no tracker runs were opened
     compute, synced = slowest.tolist()
     return compute, synced, sent, crossing
+
+
+def agreed_repeats(ctx, warm_step_seconds):
+    """How many steps to time after a warm-up step this long: the same on every rank (each
+    synced step is a collective), from the slowest rank's warm-up step."""
+    slowest = torch.tensor(warm_step_seconds, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return min(max(MIN_REPEATS, math.ceil(TIMED_SECONDS / max(slowest.item(), 1e-6))), MAX_REPEATS)
 
 
 def main(argv=None):
