@@ -56,8 +56,8 @@ SIZES_MB = (1, 4, 16, 64, 256)
 # Sizes past one all-reduce this long are not measured: on a slow link 256 MB takes minutes,
 # and the larger sizes add nothing (the time per byte is already the link's).
 SIZE_STOP_SECONDS = 1.0
-# A timed step's median over at least this long (and at least MIN_REPEATS steps): a fast step
-# timed 5 times sees a second of a shared machine's noise through a 0.3 s window.
+# Steps are timed over at least this long (and at least MIN_REPEATS of them): 5 steps of 60 ms
+# are a 0.3 s sample of a shared machine's speed, which stalls for longer than that.
 TIMED_SECONDS = 1.0
 MIN_REPEATS, MAX_REPEATS = 5, 25
 
@@ -181,14 +181,20 @@ def measure_allreduce(ctx, sizes_mb, group=None, iterations=3):
         for _ in range(iterations):
             dist.all_reduce(tensor, group=group)
         synchronize(ctx)
-        elapsed = torch.tensor((time.perf_counter() - started) / iterations, device=ctx.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace, for all
-        seconds = elapsed.item()
+        (seconds,) = slowest(ctx, (time.perf_counter() - started) / iterations)
         algbw = size_mb * 2**20 / seconds / 1e9
         rows.append((size_mb, seconds, algbw, bus_bandwidth(algbw, world_size)))
         if seconds > SIZE_STOP_SECONDS:  # the same decision on every rank: `seconds` is agreed
             break
     return rows
+
+
+def slowest(ctx, *seconds):
+    """Each value's largest over every rank: the slowest rank sets the pace, and every rank
+    gets the same numbers to decide with."""
+    values = torch.tensor(seconds, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
 
 
 def synchronize(ctx):
@@ -245,23 +251,20 @@ def step_seconds(cfg, ctx, warmup=2):
             timings = sorted(timed_step(sync) for _ in range(repeats))
             medians.append(timings[repeats // 2])
         trainer.settle()  # the last step's agreement, in flight
-        slowest = torch.tensor(medians, dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        compute, synced = slowest(ctx, *medians)
         parameters = [p for p in trainer.model.parameters() if p.requires_grad]
         sent = {hook: gradient_bytes(parameters, hook) for hook in COMM_HOOKS}
         crossing = internode_bytes(parameters, cfg, ctx.world_size, ctx.nodes, sent, dist.get_backend())
     finally:
         trainer.close("finished")  # no tracker runs were opened
-    compute, synced = slowest.tolist()
     return compute, synced, sent, crossing
 
 
 def agreed_repeats(ctx, warm_step_seconds):
     """How many steps to time after a warm-up step this long: the same on every rank (each
     synced step is a collective), from the slowest rank's warm-up step."""
-    slowest = torch.tensor(warm_step_seconds, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return min(max(MIN_REPEATS, math.ceil(TIMED_SECONDS / max(slowest.item(), 1e-6))), MAX_REPEATS)
+    (seconds,) = slowest(ctx, warm_step_seconds)
+    return min(max(MIN_REPEATS, math.ceil(TIMED_SECONDS / max(seconds, 1e-6))), MAX_REPEATS)
 
 
 def main(argv=None):
