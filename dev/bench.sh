@@ -5,7 +5,7 @@
 # --network --strategies: ddp, fsdp and hsdp on 2 hosts x 2 processes over the link), or with
 # --tabular-noise the tabular task's noise draw (see bench/tabular_noise.py), or with
 # --breakdown where a step's time goes, the generated loop beside the minimal one (see
-# bench/breakdown.py).
+# bench/breakdown.py), or with --ci-cpu where the test suite's CPU time goes (see bench/ci_cpu.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
@@ -20,6 +20,10 @@ fi
 if [[ ${1:-} == --breakdown ]]; then
     shift
     exec .venv/bin/python bench/breakdown.py "$@"
+fi
+if [[ ${1:-} == --ci-cpu ]]; then
+    shift
+    exec .venv/bin/python bench/ci_cpu.py "$@"
 fi
 if [[ ${1:-} == --tabular-noise ]]; then
     shift
