@@ -23,7 +23,8 @@ def test_gpu_check_script_parses():
 def test_ci_cpu_logs_each_process_and_leaves_the_environment_as_it_was():
     """bench/ci_cpu.py on one test that starts a Python process importing torch: the table
     counts it with its import time, and the .pth hook it adds for the run is gone after it."""
-    site_packages = sorted(p.name for p in Path(sysconfig.get_paths()["purelib"]).glob("*.pth"))
+    site_packages = Path(sysconfig.get_paths()["purelib"])
+    hooks_before = sorted(p.name for p in site_packages.glob("*.pth"))
     test = "tests/test_bake.py::test_a_non_editable_install_imports_every_entry_point"
     result = run([sys.executable, "bench/ci_cpu.py", test, "-q"], cwd=TEMPLATE)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -31,4 +32,4 @@ def test_ci_cpu_logs_each_process_and_leaves_the_environment_as_it_was():
     count, cpu, in_torch = (float(cell) for cell in row.split("|")[2:5])
     assert count >= 1 and 0 < in_torch <= cpu, row
     assert "| tests/test_bake.py |" in result.stdout
-    assert sorted(p.name for p in Path(sysconfig.get_paths()["purelib"]).glob("*.pth")) == site_packages
+    assert sorted(p.name for p in site_packages.glob("*.pth")) == hooks_before
