@@ -146,6 +146,14 @@ def slow_loss():
     change_training_loss(lambda loss, call: time.sleep(0.2) or loss)
 
 
+def slow_until_joined():
+    """slow_loss, but 1 s a micro-step while the run has one process: a one-host run lasts
+    (~100 s) until a second host joins, however slowly that host's torchrun starts on a busy
+    machine; 200 ms a micro-step once it has."""
+    seconds = 1.0 if int(os.environ.get("WORLD_SIZE", 1)) == 1 else 0.2
+    change_training_loss(lambda loss, call: time.sleep(seconds) or loss)
+
+
 def slow_checkpoint_write():
     """Rank 0 takes 35 s to write each checkpoint (a slow network file system): longer than
     torchrun's default 30 s grace after a signal, and than a short --timeout_seconds."""
@@ -466,7 +474,7 @@ PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
-    + (overflow_from_step3, fail_on_rank1, slow_loss, slow_checkpoint_write, record_initial_weights)
+    + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_checkpoint_write, record_initial_weights)
     + (single_param_group, record_staging, record_mesh, children_after_close, float64, bad_samples, late_rank0)
 }
 

@@ -105,24 +105,26 @@ def test_elastic_rendezvous_across_two_hosts_equals_one_node(one_node_run, hosts
 
 # 1024 samples, batch 32 per process, 3 epochs: 32 steps an epoch on one host, 16 on two. A
 # checkpoint every 4 steps; each training micro-step sleeps 200 ms (tests/ddp_probe.py
-# slow_loss, installed through tests/sitecustomize.py), so the run lasts while hosts change.
+# slow_loss, installed through tests/sitecustomize.py), so the run lasts while hosts change;
+# 1 s while one host waits for another to join (slow_until_joined): however long the second
+# torchrun takes to start on a busy machine, the first is still training when it joins.
 ELASTIC = [*TINY, *ARGS, "--epochs", "3", "--checkpoint_every_steps", "4", "--keep_checkpoints", "100"]
 ELASTIC += ["--timeout_seconds", "30"]
 
 
-def elastic_env(hosts):
+def elastic_env(hosts, probe):
     """NNODES=1:2 on a c10d rendezvous at host 0, with short rendezvous waits for the test."""
     endpoint = f"{hosts.addresses[0]}:{PORT}"
     conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"  # a lost host is noticed in 3 s
     env = launch_env(NNODES="1:2", NPROC_PER_NODE=1, RDZV_ENDPOINT=endpoint, RDZV_ID=f"elastic{os.getpid()}",
                      MAX_RESTARTS=3, RDZV_CONF=conf)  # fmt: skip
-    return {**env, "GLOO_SOCKET_IFNAME": hosts.ifname, "PYTHONPATH": "tests", "DDP_PROBE": "slow_loss"}
+    return {**env, "GLOO_SOCKET_IFNAME": hosts.ifname, "PYTHONPATH": "tests", "DDP_PROBE": probe}
 
 
-def start_elastic_node(hosts, node, output_dir, logs_dir, workers=0):
+def start_elastic_node(hosts, node, output_dir, logs_dir, workers=0, probe="slow_loss"):
     log = open(Path(logs_dir) / f"node{node}.log", "w")
     command = [LAUNCH, *ELASTIC, "--num_workers", str(workers), "--output_dir", str(output_dir)]
-    return hosts.popen(node, command, env=elastic_env(hosts), cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT)
+    return hosts.popen(node, command, env=elastic_env(hosts, probe), cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for_checkpoint(output_dir, step, processes, logs):
@@ -148,14 +150,14 @@ def assert_epochs_once_and_lr_on_course(output_dir):
 
 
 def test_elastic_job_takes_in_a_host_that_joins_mid_run(hosts, tmp_path):
-    """Host 0 trains alone (world size 1); host 1 joins at step 8. torchrun stops host 0's
+    """Host 0 trains alone (world size 1); host 1 joins after step 4. torchrun stops host 0's
     worker (SIGTERM to its process group, DataLoader workers included: a mid-epoch checkpoint)
     and starts both; the group of two resumes it with twice the global batch, and the job
     completes. (The host-lost test below runs without DataLoader workers.)"""
     output_dir, logs = tmp_path / "run", [tmp_path / "node0.log", tmp_path / "node1.log"]
-    first = start_elastic_node(hosts, 0, output_dir, tmp_path, workers=2)
-    wait_for_checkpoint(output_dir, 8, [first], logs[:1])
-    second = start_elastic_node(hosts, 1, output_dir, tmp_path, workers=2)
+    first = start_elastic_node(hosts, 0, output_dir, tmp_path, workers=2, probe="slow_until_joined")
+    wait_for_checkpoint(output_dir, 4, [first], logs[:1])
+    second = start_elastic_node(hosts, 1, output_dir, tmp_path, workers=2, probe="slow_until_joined")
     processes = [first, second]
     codes = [p.wait(timeout=TIMEOUT) for p in processes]
     assert codes == [0, 0], describe(processes, logs)
