@@ -228,7 +228,9 @@ def saved_step(output_dir):
     return state["step"], state["epoch"], state["batches_done"]
 
 
-def wait_for(path, process, seconds=60):
+def wait_for(path, process, seconds=180):
+    """Wait until `path` exists; fail at once if `process` ends first, or after `seconds` (start-up
+    and training on a busy machine: minutes, not the seconds an idle one takes)."""
     deadline = time.monotonic() + seconds
     while not path.exists():
         assert process.poll() is None, f"training ended (rc {process.returncode}) before {path} appeared"

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dataset  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
-from ddp_utils import contract, strategy  # noqa: E402
+from ddp_utils import contract, faults, strategy  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
 LAST_RANK = int(os.environ.get("WORLD_SIZE", 1)) - 1
@@ -152,6 +152,24 @@ def slow_until_joined():
     machine; 200 ms a micro-step once it has."""
     seconds = 1.0 if int(os.environ.get("WORLD_SIZE", 1)) == 1 else 0.2
     change_training_loss(lambda loss, call: time.sleep(seconds) or loss)
+
+
+def slow_until_stopped():
+    """Sleep 200 ms in each training micro-step until this process gets a stop signal (SIGTERM,
+    SIGUSR1), on a first attempt only (not after torchrun's restart or SLURM's requeue): a run
+    a test signals mid-way is still mid-way when the signal lands, however long a busy machine
+    takes to pass it on. Works through tests/sitecustomize.py (faults.StopRequest is shared)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) or int(os.environ.get("SLURM_RESTART_COUNT", 0)):
+        return
+    signalled = []
+    handle = faults.StopRequest._handle
+
+    def record(self, signum, frame):
+        signalled.append(signum)
+        handle(self, signum, frame)
+
+    faults.StopRequest._handle = record
+    change_training_loss(lambda loss, call: loss if signalled else time.sleep(0.2) or loss)
 
 
 def slow_checkpoint_write():
@@ -284,14 +302,14 @@ def with_dropout():
 
 
 def stall_rank1():
-    """Rank 1 alone stops making progress (60 s) in its 3rd micro-step, as a stuck data read would."""
+    """Rank 1 alone stops making progress (300 s) in its 3rd micro-step, as a stuck data read would."""
     original = train.Trainer.train_step
     calls = []
 
     def run_batch(self, *args, **kwargs):
         calls.append(1)
         if RANK == 1 and len(calls) == 3:
-            time.sleep(60)
+            time.sleep(300)
         return original(self, *args, **kwargs)
 
     train.Trainer.train_step = run_batch
@@ -474,8 +492,17 @@ PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
-    + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_checkpoint_write, record_initial_weights)
-    + (single_param_group, record_staging, record_mesh, children_after_close, float64, bad_samples, late_rank0)
+    + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_checkpoint_write)
+    + (
+        record_initial_weights,
+        single_param_group,
+        record_staging,
+        record_mesh,
+        children_after_close,
+        float64,
+        bad_samples,
+        late_rank0,
+    )
 }
 
 if __name__ == "__main__":

@@ -17,11 +17,12 @@ from ddp_utils import comm_model, dist, faults
 def test_stalled_rank_fails_the_job_within_the_timeout_with_stacks(tmp_path):
     started = time.monotonic()
     result = run_training(tmp_path, "--amp", "none", "--timeout_seconds", "5", nproc=2, probe="stall_rank1",
-                          check=False, timeout=120)  # fmt: skip
+                          check=False, timeout=200)  # fmt: skip
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert elapsed < 45, f"took {elapsed:.0f} s"  # 5 s timeout + start-up, not the 60 s stall
+    # The 5 s timeout and start-up (up to a minute on a busy machine), not the 300 s stall.
+    assert elapsed < 120, f"took {elapsed:.0f} s"
     # Which ranks were waiting where: both name the phase, and each prints its Python stack.
     assert "rank 0: no progress for 5 s in training, optimizer step 3" in output
     assert "rank 1: no progress for 5 s in training, optimizer step 3" in output
@@ -34,13 +35,13 @@ def test_stalled_rank_fails_the_job_within_the_timeout_with_stacks(tmp_path):
 def test_an_unexpected_error_is_logged_first_and_nothing_waits_for_the_dead_rank(tmp_path):
     """Rank 1 raises in its 3rd micro-step. Its traceback is logged once, before anything else
     it does, and the job ends at once: rank 0 finds its peer gone in the gradient all-reduce
-    and ends too, without waiting for the collective timeout (60 s here)."""
+    and ends too, without waiting for the collective timeout (300 s here)."""
     started = time.monotonic()
-    result = run_training(tmp_path, "--amp", "none", "--timeout_seconds", "60", nproc=2, probe="fail_on_rank1",
-                          check=False, timeout=120)  # fmt: skip
+    result = run_training(tmp_path, "--amp", "none", "--timeout_seconds", "300", nproc=2, probe="fail_on_rank1",
+                          check=False, timeout=200)  # fmt: skip
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
-    assert result.returncode != 0 and elapsed < 45, (elapsed, output)
+    assert result.returncode != 0 and elapsed < 120, (elapsed, output)  # start-up, on a busy machine too
     assert output.count("[rank 1] ERROR rank 1 failed") == 1, output
     assert output.count("ValueError: injected failure on rank 1") == 1, output  # no second traceback
     assert output.index("[rank 1] ERROR rank 1 failed") < output.index("ValueError: injected failure")

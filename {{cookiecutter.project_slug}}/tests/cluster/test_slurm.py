@@ -139,7 +139,10 @@ def test_sigusr1_checkpoints_requeues_and_the_job_resumes_exactly(slurm, batch_j
     signal path without workers is test_preemption.py's)."""
     assert_succeeded(batch_job, slurm)
     args = sbatch_args(tmp_path, "preempted", "--nodes=1", train_args=["--num_workers", "2"])
-    job_id = slurm.sbatch(args, env=job_env(slurm, 2), cwd=PROJECT)
+    # Its first run's steps slowed until the signal (not the requeued run's): it lands mid-run
+    # however long the signal takes through slurmctld, slurmd and torchrun on a busy machine.
+    env = {**job_env(slurm, 2), "PYTHONPATH": str(PROJECT / "tests"), "DDP_PROBE": "slow_until_stopped"}
+    job_id = slurm.sbatch(args, env=env, cwd=PROJECT)
     output_dir, log = tmp_path / "preempted", tmp_path / "preempted.out"
     wait_for_file(output_dir / "checkpoints" / "last.pt", slurm, job_id)
     slurm.run(["scancel", "--signal=USR1", "--batch", str(job_id)])

@@ -331,7 +331,7 @@ def test_fine_tuning_resumes_exactly_after_sigterm_without_loading_the_folder_ag
     shutil.copytree(gpt2[0], folder)
     flags = ["--init_from", folder, *FINE_TUNE, "--sample_every_steps", "3"]
     output_dir = tmp_path / "run"
-    command = training_command(output_dir, *flags, nproc=2, probe="slow")  # each step slowed: time to signal
+    command = training_command(output_dir, *flags, nproc=2, probe="slow_until_stopped")  # time to signal
     with open(tmp_path / "run.log", "w") as log:
         process = subprocess.Popen(command, cwd=PROJECT, env=training_env(), stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # fmt: skip
