@@ -69,14 +69,17 @@ def breakdown(trace_path):
         (e for e in events if (e["pid"], e["tid"]) == main and start <= e["ts"] < end),
         key=lambda e: (e["ts"], -e["dur"]),
     )
-    nodes = [e for e in on_main if e["name"].startswith("autograd::engine::evaluate_function")]
+    # On the CPU the autograd engine runs backward's nodes on the calling thread; with CUDA
+    # tensors on a thread of its own per device: take them from any thread.
+    nodes = [e for e in events if e["name"].startswith("autograd::engine::evaluate_function")]
     totals, others, covered_to = collections.Counter(), collections.Counter(), -1
     for event in on_main:
         if event["name"].startswith("optimizer_step#") or event["ts"] < covered_to:
             continue  # the generated loop's step ranges, or an event inside one already counted
         covered_to = event["ts"] + event["dur"]
         if event["name"] == "bench:backward":
-            last = max(n["ts"] + n["dur"] for n in nodes if event["ts"] <= n["ts"] < covered_to)
+            ends = [n["ts"] + n["dur"] for n in nodes if event["ts"] <= n["ts"] < covered_to]
+            last = min(max(ends, default=covered_to), covered_to)
             totals["backward"] += last - event["ts"]
             totals["all-reduce wait"] += covered_to - last
             continue

@@ -37,44 +37,91 @@
 #      backward under torch.cuda.set_sync_debug_mode("warn") PASS (no host sync in model.py
 #      or the loss).
 #
-#   bash bench/gpu_check.sh                 # renders the template (needs cookiecutter)
-#   bash bench/gpu_check.sh PROJECT_DIR     # an already generated project
+# The GPU machine has no cookiecutter (and no network): render the three tasks' projects here,
+# send them with the repository, and point the script at them there:
+#
+#   bash bench/gpu_check.sh --bake DIR             # here: DIR/tabular, DIR/language, DIR/vision
+#   bash bench/gpu_check.sh DIR                    # there: every check on DIR's projects
+#   CHECKS="1 5 14" bash bench/gpu_check.sh DIR    # only these (a device call has 10 minutes)
+#   bash bench/gpu_check.sh                        # renders them first (needs cookiecutter)
+#
+# Where OUT is set (the device tool's folder), every run's log, metrics and report is packed
+# into $OUT/gpu_check_logs.tgz at the end, whatever happened.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 python=${PYTHON:-python3}
-if [[ $# -ge 1 ]]; then
-    project=$(cd "$1" && pwd)
-else
-    out=$(mktemp -d)
-    "$python" -m cookiecutter --no-input "$here/.." --output-dir "$out" task=tabular >/dev/null
-    project=$(find "$out" -mindepth 1 -maxdepth 1 -type d)
+bake_all() {  # bake_all DIR: the generated project of each task in DIR/<task>/
+    for task in tabular language vision; do
+        "$python" -m cookiecutter --no-input "$here/.." --output-dir "$1/$task" task="$task" >/dev/null
+    done
+}
+if [[ ${1:-} == --bake ]]; then
+    [[ $# -eq 2 ]] || { echo "usage: bash bench/gpu_check.sh --bake DIR" >&2; exit 2; }
+    mkdir -p "$2"
+    bake_all "$2"
+    echo "gpu_check.sh: the projects are in $2/tabular, $2/language and $2/vision"
+    exit 0
 fi
-language_out=$(mktemp -d)
-"$python" -m cookiecutter --no-input "$here/.." --output-dir "$language_out" task=language >/dev/null
-language=$(find "$language_out" -mindepth 1 -maxdepth 1 -type d)
-vision_out=$(mktemp -d)
-"$python" -m cookiecutter --no-input "$here/.." --output-dir "$vision_out" task=vision >/dev/null
-vision=$(find "$vision_out" -mindepth 1 -maxdepth 1 -type d)
+if [[ $# -ge 1 ]]; then
+    baked=$(cd "$1" && pwd)
+else
+    baked=$(mktemp -d)
+    bake_all "$baked"
+fi
+project_of() {  # project_of TASK: the generated project in $baked/TASK/
+    local dir
+    dir=$(find "$baked/$1" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | head -n 1) || true
+    [[ -f $dir/train.py ]] || { echo "gpu_check.sh: no generated project in $baked/$1/ (make them with --bake DIR)" >&2; exit 2; }
+    echo "$dir"
+}
+project=$(project_of tabular)
+language=$(project_of language)
+vision=$(project_of vision)
+want() {  # want N...: whether any of these checks is selected (CHECKS="1 5"; all when unset)
+    local n
+    for n in "$@"; do [[ -z ${CHECKS:-} || " $CHECKS " == *" $n "* ]] && return 0; done
+    return 1
+}
 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: no CUDA GPU visible')"
 runs=$(mktemp -d)
+pack_logs() {
+    [[ -n ${OUT:-} ]] || return 0
+    (cd "$runs" && find . \( -name '*.log' -o -name '*.md' -o -name metrics.jsonl -o -name doctor.json \) -print0 |
+        tar czf "$OUT/gpu_check_logs.tgz" --null -T -) || true
+}
+trap pack_logs EXIT
 cd "$project"
 failed=0
 check() {  # check NAME CONDITION_TEXT: prints a row, remembers a failure
     if [[ $2 == ok* ]]; then echo "| $1 | $2 |"; else echo "| $1 | FAILED: $2 |"; failed=1; fi
 }
+# Blobs: labels made without the synthetic task's teacher network (minutes of CPU at this size).
 MLP=(--input_dim 1024 --hidden_dim 8192 --num_classes 1024 --batch_size 1024 --train_samples 131072
-    --val_samples 4096 --num_workers 4 --log_every_steps 0 --progress_bar false --resume none)
+    --val_samples 4096 --dataset blobs --num_workers 4 --log_every_steps 0 --progress_bar false --resume none)
+mlp_run() {  # mlp_run AMP COMPILE: check 1's run, metrics in $runs/AMP_COMPILE; status 0 if it trained
+    echo "gpu_check.sh: amp=$1 compile=$2" >&2
+    "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${MLP[@]}" --epochs 2 \
+        --amp "$1" --compile "$2" --output_dir "$runs/$1_$2" >"$runs/$1_$2.log" 2>&1 ||
+        { tail -n 30 "$runs/$1_$2.log" >&2; return 1; }
+}
+if want 6 7 10 12 14 15; then
+    (cd "$language" && "$python" prepare_data.py --output_dir "$runs/text" >"$runs/prepare.log" 2>&1) ||
+        echo "gpu_check.sh: the language task's text could not be written: $runs/prepare.log" >&2
+fi
+if want 11 15; then
+    (cd "$vision" && "$python" prepare_data.py --output_dir "$runs/digits" >"$runs/digits.log" 2>&1) ||
+        echo "gpu_check.sh: the vision task's digits could not be written (scikit-learn?): $runs/digits.log" >&2
+fi
 
 # --- 1. throughput --------------------------------------------------------------------------
+failed_runs=()
+if want 1; then
 for compile in false true; do
     for amp in none bf16 fp16; do
-        echo "gpu_check.sh: amp=$amp compile=$compile" >&2
-        "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${MLP[@]}" --epochs 2 \
-            --amp "$amp" --compile "$compile" --output_dir "$runs/${amp}_${compile}" >"$runs/${amp}_${compile}.log" 2>&1 ||
-            { tail -n 30 "$runs/${amp}_${compile}.log" >&2; exit 1; }
+        mlp_run "$amp" "$compile" || failed_runs+=("${amp}_$compile")
     done
 done
-"$python" - "$runs" <<'PY'
+"$python" - "$runs" <<'PY' || failed_runs+=("the table")
 import json, sys
 from pathlib import Path
 
@@ -82,22 +129,27 @@ runs = Path(sys.argv[1])
 rows = {}
 for compile_ in ("false", "true"):
     for amp in ("none", "bf16", "fp16"):
-        last = json.loads((runs / f"{amp}_{compile_}" / "metrics.jsonl").read_text().splitlines()[-1])
+        path = runs / f"{amp}_{compile_}" / "metrics.jsonl"
+        if not path.exists():
+            continue  # that run failed: its row says so
+        last = json.loads(path.read_text().splitlines()[-1])
         wait = last["data_wait_s"] / (last["data_wait_s"] + last["compute_s"])
         rows[amp, compile_] = (last["samples_per_s"], last.get("mfu"), last["peak_memory_mb"], wait)
 print("| amp | compile | samples/s | MFU | peak memory (MB) | data wait | speedup vs none |")
 print("| --- | --- | --- | --- | --- | --- | --- |")
 for (amp, compile_), (speed, mfu, memory, wait) in rows.items():
-    speedup = speed / rows["none", compile_][0]
+    speedup = f"{speed / rows['none', compile_][0]:.2f}x" if ("none", compile_) in rows else "n/a"
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
-    print(f"| {amp} | {compile_} | {speed:.0f} | {mfu_text} | {memory:.0f} | {100 * wait:.1f}% | {speedup:.2f}x |")
+    print(f"| {amp} | {compile_} | {speed:.0f} | {mfu_text} | {memory:.0f} | {100 * wait:.1f}% | {speedup} |")
 PY
-
 echo
+fi
 echo "| check | result |"
 echo "| --- | --- |"
+for name in "${failed_runs[@]}"; do check "throughput run $name" "failed: $runs/$name.log"; done
 
 # --- 2. a process whose only GPU is not device 0 ----------------------------------------------
+if want 2; then
 visible=${CUDA_VISIBLE_DEVICES:-0}
 if CUDA_VISIBLE_DEVICES=${visible%%,*} RANK=0 LOCAL_RANK=1 WORLD_SIZE=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
     MASTER_PORT=29531 "$python" train.py --epochs 1 --train_samples 8192 --amp bf16 --resume none \
@@ -106,8 +158,10 @@ if CUDA_VISIBLE_DEVICES=${visible%%,*} RANK=0 LOCAL_RANK=1 WORLD_SIZE=1 LOCAL_WO
 else
     check "LOCAL_RANK=1, one visible GPU, trains" "$(tail -n 3 "$runs/local_rank1.log" | tr '\n' ' ')"
 fi
+fi
 
 # --- 3. no host sync in steady-state bf16 steps -----------------------------------------------
+if want 3; then
 # From the 4th step of each epoch until the loop's end, any synchronizing CUDA call raises.
 if "$python" - "${MLP[@]}" --epochs 2 --amp bf16 --output_dir "$runs/sync" >"$runs/sync.log" 2>&1 <<'PY'
 import sys
@@ -138,8 +192,10 @@ then
 else
     check "steady-state bf16 steps under set_sync_debug_mode(\"error\")" "$(grep -m1 -i 'synchroniz' "$runs/sync.log" || tail -n 3 "$runs/sync.log" | tr '\n' ' ')"
 fi
+fi
 
 # --- 4. the flight recorder dumps on a collective timeout -------------------------------------
+if want 4; then
 # One rank: a long GPU sleep queued before an all-reduce keeps it from finishing within the
 # 5 s timeout; NCCL's watchdog times it out and dumps the trace, then ends the process.
 rm -rf "$runs/trace"
@@ -159,31 +215,45 @@ dist.all_reduce(value)
 time.sleep(60)  # the watchdog times the all-reduce out and dumps meanwhile
 PY
 if ls "$runs/trace"/rank_* >/dev/null 2>&1; then
-    entries=$("$python" -m torch.distributed.flight_recorder.fr_trace "$runs/trace" --prefix rank_ -j 2>&1 | grep -c -i allreduce || true)
+    # The dump is a pickle: its "entries" are the recorded collectives ("nccl:all_reduce").
+    entries=$("$python" -c "
+import glob, pickle, sys
+dumps = [pickle.load(open(path, 'rb')) for path in glob.glob(sys.argv[1] + '/rank_*')]
+print(sum(entry['profiling_name'] == 'nccl:all_reduce' for dump in dumps for entry in dump['entries']))
+" "$runs/trace" 2>/dev/null) || entries="?"
     check "flight recorder dump on a collective timeout" "ok ($(ls "$runs/trace" | tr '\n' ' ')with $entries all-reduce entries)"
 else
     check "flight recorder dump on a collective timeout" "no dump in $runs/trace: $(tail -n 2 "$runs/trace.log" | tr '\n' ' ')"
 fi
+fi
 
 # --- 5. the preflight's prediction against the measured step ----------------------------------
+if want 5 13; then
+# Check 13 reads this preflight's log too.
 "$python" -m torch.distributed.run --standalone --nproc_per_node=1 preflight.py "${MLP[@]}" --amp bf16 \
     >"$runs/preflight.log" 2>&1 || true
-predicted_ms=$(grep -o 'compute [0-9.]* ms' "$runs/preflight.log" | head -n 1 | cut -d' ' -f2)
+fi
+if want 5; then
+[[ -f $runs/bf16_false/metrics.jsonl ]] || mlp_run bf16 false || true  # check 1's bf16 run, when 1 was not run
+predicted_ms=$(grep -o 'compute [0-9.]* ms' "$runs/preflight.log" | head -n 1 | cut -d' ' -f2) || predicted_ms=
 measured_ms=$("$python" -c "
 import json, sys
 last = json.loads(open('$runs/bf16_false/metrics.jsonl').read().splitlines()[-1])
 print(1000 * 1024 / last['samples_per_s'])  # one step of the global batch (1024) at the steady rate
-")
-if [[ -n $predicted_ms ]]; then
+" 2>/dev/null) || measured_ms=
+if [[ -z $measured_ms ]]; then
+    check "preflight predicted bf16 step vs measured" "no measured step: $runs/bf16_false.log"
+elif [[ -n $predicted_ms ]]; then
     ratio=$("$python" -c "print(f'{$predicted_ms / $measured_ms:.2f}')")
     verdict=$("$python" -c "print('ok' if 0.75 <= $predicted_ms / $measured_ms <= 1.25 else 'off')")
     check "preflight predicted bf16 step vs measured" "$verdict (predicted $predicted_ms ms, measured $(printf '%.2f' "$measured_ms") ms, ratio $ratio)"
 else
     check "preflight predicted bf16 step vs measured" "no prediction: $(tail -n 3 "$runs/preflight.log" | tr '\n' ' ')"
 fi
+fi
 
 # --- 6. the language task: bf16 tokens/s and MFU on a compute-bound GPT ------------------------
-(cd "$language" && "$python" prepare_data.py --output_dir "$runs/text" >"$runs/prepare.log" 2>&1)
+if want 6; then
 if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py \
     --data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 \
     --amp bf16 --compile true --max_steps 120 --eval_every_steps 60 --val_samples 64 --log_every_steps 0 \
@@ -194,14 +264,16 @@ last = json.loads(open('$runs/gpt/metrics.jsonl').read().splitlines()[-1])
 print(f\"{last['tokens_per_s']:.0f} tokens/s, MFU {100 * last.get('mfu', 0):.1f}%, peak {last['peak_memory_mb']:.0f} MB\")
 ok = last.get('mfu', 0) >= 0.40
 print('ok' if ok else 'below 40%')
-")
+" 2>&1) || gpt=$'no metrics\nthe run wrote no metrics line: see gpt.log'
     verdict=$(echo "$gpt" | tail -n 1)
     check "GPT 12x768, 1024 tokens, bf16, compile: MFU >= 40%" "$( [[ $verdict == ok ]] && echo ok || echo "$verdict" ) ($(echo "$gpt" | head -n 1))"
 else
     check "GPT 12x768, 1024 tokens, bf16, compile: MFU >= 40%" "$(tail -n 3 "$runs/gpt.log" | tr '\n' ' ')"
 fi
+fi
 
 # --- 7. the same GPT under --strategy fsdp ----------------------------------------------------
+if want 7; then
 if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py \
     --data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 \
     --amp bf16 --compile true --max_steps 120 --eval_every_steps 60 --val_samples 64 --log_every_steps 0 \
@@ -216,13 +288,16 @@ ratio = fsdp['tokens_per_s'] / ddp['tokens_per_s']
 print(f\"{fsdp['tokens_per_s']:.0f} tokens/s ({ratio:.2f}x ddp), MFU {100 * fsdp.get('mfu', 0):.1f}%, \"
       f\"peak {fsdp['peak_memory_mb']:.0f} MB (ddp {ddp['peak_memory_mb']:.0f} MB)\")
 print('ok' if ratio >= 0.9 else 'below 0.9x ddp')
-")
+" 2>&1) || fsdp=$'no comparison\nno metrics of this run or of check 6 (the ddp run): see gpt.log, gpt_fsdp.log'
     verdict=$(echo "$fsdp" | tail -n 1)
     check "GPT 12x768 --strategy fsdp, bf16, compile: >= 0.9x ddp" "$( [[ $verdict == ok ]] && echo ok || echo "$verdict" ) ($(echo "$fsdp" | head -n 1))"
 else
     check "GPT 12x768 --strategy fsdp, bf16, compile: >= 0.9x ddp" "$(tail -n 3 "$runs/gpt_fsdp.log" | tr '\n' ' ')"
 fi
+fi
+
 # --- 8. --profile_steps on CUDA: kernels in the trace, a memory snapshot --------------------------
+if want 8; then
 if (cd "$project" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${MLP[@]}" \
     --max_steps 8 --amp fp16 --log_every_steps 2 --profile_steps 4:5 --progress_bar false --resume none \
     --output_dir "$runs/profile" >"$runs/profile.log" 2>&1); then
@@ -233,7 +308,7 @@ kernels = sum(1 for e in trace if e.get('cat') == 'kernel')
 snapshot = pickle.load(open('$runs/profile/profile/memory_steps_4-5.pickle', 'rb'))
 print(f\"{kernels} GPU kernels, {len(snapshot['segments'])} memory segments\")
 print('ok' if kernels > 0 and snapshot['segments'] else 'empty')
-")
+" 2>&1) || profiled=$'no trace or snapshot\nno trace or memory snapshot to read: see profile.log'
     scale_lines=$(grep -c 'grad_norm [0-9.e+-]* loss_scale' "$runs/profile.log" || true)
     verdict=$(echo "$profiled" | tail -n 1)
     [[ $verdict == ok && $scale_lines -ge 4 ]] || verdict="$verdict, $scale_lines fp16 log lines with loss_scale"
@@ -241,8 +316,10 @@ print('ok' if kernels > 0 and snapshot['segments'] else 'empty')
 else
     check "--profile_steps 4:5 on CUDA: trace kernels, memory snapshot" "$(tail -n 3 "$runs/profile.log" | tr '\n' ' ')"
 fi
+fi
 
 # --- 9. SIGTERM with 4 DataLoader workers: checkpoint written, resume where it would have been ---
+if want 9; then
 SIGTERM_RUN=(--input_dim 256 --hidden_dim 2048 --num_classes 64 --batch_size 256 --train_samples 65536 --val_samples 4096
     --input_noise_std 0.1 --num_workers 4 --epochs 2 --checkpoint_every_steps 50 --log_every_steps 0 --amp bf16
     --progress_bar false)
@@ -280,8 +357,10 @@ print(f"{'ok' if worst < 1e-3 else 'differs'} (stopped and resumed, max relative
 PY
 ) || sigterm="the comparison failed: see $runs/whole.log, stopped.log, resumed.log"
 check "SIGTERM with 4 DataLoader workers: checkpoint, resume" "$sigterm"
+fi
 
 # --- 10. fused AdamW against unfused ----------------------------------------------------------
+if want 10; then
 GPT=(--data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --amp bf16
     --max_steps 60 --eval_every_steps 30 --val_samples 64 --log_every_steps 0 --progress_bar false --resume none)
 for fused in true false; do
@@ -325,10 +404,10 @@ print(f"{verdict} (fused {fused['tokens_per_s']:.0f} tokens/s, unfused {plain['t
 PY
 ) || adamw="the comparison failed"
 check "AdamW fused=True against unfused, GPT 12x768 bf16" "$adamw"
+fi
 
 # --- 11. torch.nn.SyncBatchNorm's kernels against the hand-written ones ------------------------
-(cd "$vision" && "$python" prepare_data.py --output_dir "$runs/digits" >"$runs/digits.log" 2>&1) ||
-    echo "gpu_check.sh: the vision task's digits could not be written (scikit-learn?): $runs/digits.log" >&2
+if want 11; then
 syncbn=$(cd "$vision" && "$python" - 2>"$runs/syncbn.log" <<'PY'
 import os, sys, time
 import torch
@@ -388,8 +467,10 @@ if (cd "$vision" && "$python" -m torch.distributed.run --standalone --nproc_per_
 else
     check "vision task on the GPU (torch's SyncBatchNorm layers)" "$(tail -n 3 "$runs/vision.log" | tr '\n' ' ')"
 fi
+fi
 
 # --- 12. compile with activation checkpointing, under ddp and fsdp -----------------------------
+if want 12; then
 for strategy in ddp fsdp; do
     if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${GPT[@]}" \
         --compile true --activation_checkpointing true --strategy "$strategy" --output_dir "$runs/ac_$strategy" \
@@ -401,18 +482,20 @@ for strategy in ddp fsdp; do
         check "--compile true --activation_checkpointing true, $strategy" "$(tail -n 3 "$runs/ac_$strategy.log" | tr '\n' ' ')"
     fi
 done
+fi
 
 # --- 13. the network NCCL chose ---------------------------------------------------------------
-"$python" -m torch.distributed.run --standalone --nproc_per_node=1 preflight.py "${MLP[@]}" --amp bf16 \
-    >"$runs/preflight_net.log" 2>&1 || true
-network=$(grep -o 'NCCL network: .*' "$runs/preflight_net.log" | head -n 1)
+if want 13; then
+network=$(grep -o 'NCCL network: .*' "$runs/preflight.log" | head -n 1) || network=  # check 5's preflight
 if [[ -n $network ]]; then
     check "preflight: the network NCCL chose" "ok ($network)"
 else
-    check "preflight: the network NCCL chose" "no line: $(tail -n 2 "$runs/preflight_net.log" | tr '\n' ' ')"
+    check "preflight: the network NCCL chose" "no line: $(tail -n 2 "$runs/preflight.log" | tr '\n' ' ')"
+fi
 fi
 
 # --- 14. where a bf16 step goes, and the GPU's idle share --------------------------------------
+if want 14; then
 if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 "$here/profiled.py" train.py \
     "${GPT[@]}" --max_steps 45 --eval_every_steps 0 --profile_steps 21:40 --output_dir "$runs/breakdown" \
     >"$runs/breakdown.log" 2>&1) &&
@@ -425,8 +508,10 @@ if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_pe
 else
     check "step breakdown, GPT 12x768 bf16, steps 21-40: GPU idle < 5%" "$(tail -n 3 "$runs/breakdown.log" "$runs/breakdown.md" 2>/dev/null | tr '\n' ' ')"
 fi
+fi
 
 # --- 15. the doctor with a GPU: no FAIL, no host sync in a steady-state step --------------------
+if want 15; then
 for name in tabular language vision; do
     case $name in
         tabular) task_dir=$project data=() ;;
@@ -443,4 +528,6 @@ for name in tabular language vision; do
         check "doctor.py with a GPU, $name task" "exit $code: $row; $(grep -c '| FAIL |' "$runs/doctor_$name.log") FAIL rows"
     fi
 done
+fi
+
 exit $failed

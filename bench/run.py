@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-from cookiecutter.main import cookiecutter
 
 BENCH = Path(__file__).resolve().parent
 TEMPLATE = BENCH.parent
@@ -36,6 +35,8 @@ TEMPLATE = BENCH.parent
 def bake(task, work):
     """The generated project of `task` in `work`, and the flags that point it at its data (for
     the language task, 2 MB of the standard library's source, byte tokens)."""
+    from cookiecutter.main import cookiecutter  # here: a GPU machine without it still reads traces
+
     project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work), extra_context={"task": task}))
     if task != "language":
         return project, []
