@@ -230,7 +230,8 @@ def test_preflight_catches_a_hostname_that_gloo_would_hang_on(tmp_path):
             pinned_codes = [p.wait(timeout=TIMEOUT) for p in pinned]
     except netns.NetnsUnavailable as error:
         pytest.skip(f"cannot create network namespaces here: {error}")
-    assert codes == [1, 1] and elapsed < 60, describe(processes, logs)
+    # Fast: the start-up of 4 processes on a busy machine, not gloo's wait (TIMEOUT, then a failure).
+    assert codes == [1, 1] and elapsed < 100, describe(processes, logs)
     for node, log in enumerate(logs):
         text = log.read_text()
         assert f"PROBLEM: hostname 'node{node}' resolves to 127.0.1.1" in text
