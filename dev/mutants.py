@@ -484,6 +484,14 @@ MUTANTS = [
         (f"{PREEMPTION}::test_sigterm_to_one_node_stops_every_node_with_the_preemption_status",),
     ),
     Mutant(
+        "stalled_rank_ignores_the_stop",
+        "a stalled rank logs the stop request but stays: torchrun kills it after its grace period",
+        "ddp_utils/faults.py",
+        "                logging.shutdown()\n                os._exit(1)\n",
+        "                self.stop.signum = 0  # noticed, then forgotten\n",
+        ("tests/test_diagnosis.py::test_stalled_rank_fails_the_job_within_the_timeout_with_stacks",),
+    ),
+    Mutant(
         "cpu_when_gpus_were_asked_for",
         "GPUs given but CUDA unusable: every rank trains on the CPU without a word",
         "ddp_utils/dist.py",

@@ -160,7 +160,7 @@ def test_default_project_suite(default_project, modules):
     """The default bake (language, amp bf16) passes every module of its own suite, real
     2-process runs included; a few modules per test so that they spread over the workers."""
     paths = [f"tests/{module}" for module in modules.split()]
-    # The longest group takes ~620 s of a CI run (4 workers on 2 cores): twice that before a hang is called.
+    # The longest group took 620-700 s of a whole run here (4 workers on 2 cores): 1800 s before a hang is called.
     command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
     result = run(command, cwd=default_project, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

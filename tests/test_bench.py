@@ -1,6 +1,7 @@
 """The benchmarks keep working (a tiny round; they assert no speed) and the GPU check parses."""
 
 import json
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -29,8 +30,11 @@ def test_gpu_check_runs_on_projects_baked_elsewhere(tmp_path):
     result = run(["bash", "bench/gpu_check.sh", "--bake", str(baked)], cwd=TEMPLATE)
     assert result.returncode == 0, result.stderr
     assert all((baked / task / "ddp_training" / "train.py").exists() for task in ("tabular", "language", "vision"))
-    result = run(["bash", "bench/gpu_check.sh", str(baked)], cwd=TEMPLATE)
+    no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # on a machine with one too
+    result = run(["bash", "bench/gpu_check.sh", str(baked)], cwd=TEMPLATE, env_override=no_gpu)
     assert (result.returncode, result.stderr.strip()) == (1, "gpu_check.sh: no CUDA GPU visible")
+    result = run(["bash", "bench/gpu_check.sh", str(baked)], cwd=TEMPLATE, env_override={**no_gpu, "CHECKS": "1,5"})
+    assert result.returncode == 2 and "CHECKS='1,5'" in result.stderr
     result = run(["bash", "bench/gpu_check.sh", str(tmp_path)], cwd=TEMPLATE)
     assert result.returncode == 2 and "no generated project in" in result.stderr and "--bake DIR" in result.stderr
 

@@ -29,6 +29,9 @@ def test_stalled_rank_fails_the_job_within_the_timeout_with_stacks(tmp_path):
     assert 'ddp_probe.py", line' in output and "in run_batch" in output  # rank 1's stack: the stall
     assert "in backward" in output  # rank 0's stack: waiting for the gradient all-reduce
     assert "a collective timed out after --timeout_seconds 5" in output
+    # The stalled rank leaves on torchrun's stop at once, not killed after its grace period.
+    assert "rank 1: stop requested while stalled in training, optimizer step 3; exiting" in output
+    assert "Unable to shutdown process" not in output and "forcefully exiting" not in output
 
 
 @pytest.mark.fixed_amp

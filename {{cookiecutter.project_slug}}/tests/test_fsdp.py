@@ -243,7 +243,7 @@ def test_sigterm_under_fsdp_saves_shards_and_resume_is_exact(runs, tmp_path):
     args = [*ARGS, *TWO, *FSDP, "--async_checkpoint", "true"]
     log = train_until_sigterm(output_dir, args, nproc=2, probe="slow_until_stopped,record_staging")
     stopped_at = int(log.split("stopped by SIGTERM at step ", 1)[1].split(";")[0])
-    assert 4 < stopped_at < 16  # within the first epoch: a mid-epoch resume
+    assert 4 < stopped_at < 12  # before --max_steps 12: the resume has steps to take
     (staged,) = [json.loads(line.removeprefix("PROBE "))["staging_buffers"] for line in log.splitlines()
                  if line.startswith("PROBE {\"staging_buffers")]  # fmt: skip
     assert len(staged) >= 3 and all(buffers == staged[0] for buffers in staged), staged
