@@ -102,9 +102,12 @@ check() {  # check NAME CONDITION_TEXT: prints a row, remembers a failure
 # Blobs: labels made without the synthetic task's teacher network (minutes of CPU at this size).
 MLP=(--input_dim 1024 --hidden_dim 8192 --num_classes 1024 --batch_size 1024 --train_samples 131072
     --val_samples 4096 --dataset blobs --num_workers 4 --log_every_steps 0 --progress_bar false --resume none)
-# Check 6's GPT without compile, shorter: checks 10, 12 and 14.
-GPT=(--data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --amp bf16
-    --max_steps 60 --eval_every_steps 30 --val_samples 64 --log_every_steps 0 --progress_bar false --resume none)
+# The language task's GPT big enough to be compute-bound: 120 compiled steps for checks 6 and 7,
+# 60 without compile for checks 10, 12 and 14.
+GPT_MODEL=(--data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --amp bf16
+    --val_samples 64 --log_every_steps 0 --progress_bar false --resume none)
+GPT_COMPILED=("${GPT_MODEL[@]}" --compile true --max_steps 120 --eval_every_steps 60)
+GPT=("${GPT_MODEL[@]}" --max_steps 60 --eval_every_steps 30)
 mlp_run() {  # mlp_run AMP COMPILE: check 1's run, metrics in $runs/AMP_COMPILE; status 0 if it trained
     echo "gpu_check.sh: amp=$1 compile=$2" >&2
     "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${MLP[@]}" --epochs 2 \
@@ -262,9 +265,7 @@ fi
 # --- 6. the language task: bf16 tokens/s and MFU on a compute-bound GPT ------------------------
 if want 6 7; then  # check 7 compares its run with this one
 if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py \
-    --data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 \
-    --amp bf16 --compile true --max_steps 120 --eval_every_steps 60 --val_samples 64 --log_every_steps 0 \
-    --progress_bar false --resume none --output_dir "$runs/gpt" >"$runs/gpt.log" 2>&1); then
+    "${GPT_COMPILED[@]}" --output_dir "$runs/gpt" >"$runs/gpt.log" 2>&1); then
     gpt=$("$python" -c "
 import json
 last = json.loads(open('$runs/gpt/metrics.jsonl').read().splitlines()[-1])
@@ -282,10 +283,8 @@ fi
 # --- 7. the same GPT under --strategy fsdp ----------------------------------------------------
 if want 7; then
 if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py \
-    --data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 \
-    --amp bf16 --compile true --max_steps 120 --eval_every_steps 60 --val_samples 64 --log_every_steps 0 \
-    --strategy fsdp --async_checkpoint true --checkpoint_every_steps 60 \
-    --progress_bar false --resume none --output_dir "$runs/gpt_fsdp" >"$runs/gpt_fsdp.log" 2>&1) &&
+    "${GPT_COMPILED[@]}" --strategy fsdp --async_checkpoint true --checkpoint_every_steps 60 \
+    --output_dir "$runs/gpt_fsdp" >"$runs/gpt_fsdp.log" 2>&1) &&
     (cd "$language" && "$python" export.py "$runs/gpt_fsdp/checkpoints/last" "$runs/gpt_fsdp.pt" >>"$runs/gpt_fsdp.log" 2>&1); then
     fsdp=$("$python" -c "
 import json

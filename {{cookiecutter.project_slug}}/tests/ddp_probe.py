@@ -493,16 +493,8 @@ PROBES = {
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_checkpoint_write)
-    + (
-        record_initial_weights,
-        single_param_group,
-        record_staging,
-        record_mesh,
-        children_after_close,
-        float64,
-        bad_samples,
-        late_rank0,
-    )
+    + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
+    + (bad_samples, late_rank0)
 }
 
 if __name__ == "__main__":
