@@ -1,67 +1,145 @@
 #!/usr/bin/env bash
-# GPU check for one machine with a GPU, run by hand where one is lent (CI has none). Prints one
-# table per part and exits non-zero if a check fails:
-#   1. throughput: a 1-GPU NCCL run of the generated train.py for each amp mode, with and
-#      without torch.compile, on an MLP large enough to be compute-bound: samples/s, MFU,
-#      peak memory, data-wait share, bf16 speedup over none. Targets: bf16 >= 1.8x none;
-#      MFU >= 40% in bf16; data wait < 5%.
+# shellcheck disable=SC2317  # the check_N functions are called as "check_$one"
+# GPU check for one machine with a GPU, run by hand where one is lent (CI has none). Each check
+# runs under its own time limit (a hang costs that check, not the command) and writes its rows
+# to a result table as it finishes; the script exits non-zero unless every selected check ran
+# and passed. Targets that are goals (MFU, speedups) are printed beside the figures, not failed.
+#
+# The GPU machine has no cookiecutter (and no network): render the three tasks' projects and
+# their data here, send them with the repository, and point the script at them there:
+#
+#   bash bench/gpu_check.sh --bake DIR           # here: DIR/{tabular,language,vision}, DIR/data
+#   PLAN=1a bash bench/gpu_check.sh DIR          # there: the checks of plan 1a (a 6-minute command)
+#   CHECKS="3 17" bash bench/gpu_check.sh DIR    # there: only these, in this order
+#   bash bench/gpu_check.sh --plans              # the plans: checks, estimated and limit seconds
+#   bash bench/gpu_check.sh                      # every check; renders the projects first
+#
+# A plan is sized for one device command of 6 minutes: 1a then 1b (one loan: the checks that
+# matter most), 2a then 2b (a later loan: the rest). Its BUDGET_S (330 s) bounds the command:
+# a check starts only while its estimate fits in what is left, and runs at most to the end of
+# the budget. BENCHMARKS.md (GPU section) has the exact device commands.
+#
+# Where OUT is set (the device tool's folder), $OUT/gpu_check_results.txt gets each row as it is
+# written and $OUT/gpu_check_logs.tgz every log, rewritten after each check (only 8 files come
+# back from $OUT). The "s" column is the check's seconds when the row was written.
+#
+# The checks (number, what; the plan table below has each one's plan and seconds):
+#   0. always: the GPU's name, torch's version and the peak ddp_utils/metrics.py matches for MFU.
+#   1. throughput: a 1-GPU NCCL run of train.py per amp mode, with and without torch.compile, on
+#      a compute-bound MLP: samples/s, MFU, peak memory, data-wait share, speedup over none.
+#      Targets: bf16 >= 1.8x none; MFU >= 40% in bf16; data wait < 5%.
 #   2. one visible GPU that is not device 0: LOCAL_RANK=1 with one GPU trains (on cuda:0).
-#   3. no host sync in steady state: bf16 steps under torch.cuda.set_sync_debug_mode("error").
+#   3. no host sync: steady-state training steps in bf16 and in fp16 under
+#      torch.cuda.set_sync_debug_mode("error"); evaluation under "warn": no sync between its
+#      batches (only before the first forward and after the last).
 #   4. NCCL's flight recorder writes a dump when a collective times out.
-#   5. the preflight's predicted step time is within +-25% of the measured bf16 step.
-#   6. the language task: a GPT big enough to be compute-bound (12 layers x 768, 1024-token
-#      context) in bf16 with torch.compile: tokens/s and MFU. Target: MFU >= 40% on H100/H200.
-#   7. the same GPT under --strategy fsdp (1 process, NCCL, bf16 MixedPrecisionPolicy, compile,
-#      asynchronous sharded checkpoints, then export.py): tokens/s, MFU and peak memory beside
-#      check 6's ddp run. Target: tokens/s >= 0.9x ddp (with one GPU nothing is sharded: this
-#      checks the code path on CUDA and its overhead, not the memory saving).
-#   8. --profile_steps on CUDA: the Chrome trace holds GPU kernels and the CUDA memory snapshot
-#      loads with its segments; fp16 log lines carry grad_norm and loss_scale.
+#   5. the preflight's predicted step time against the measured bf16 step (target +-25%).
+#   6. the language task's GPT (12 layers x 768, 1024-token context) in bf16 with torch.compile:
+#      tokens/s and MFU. Target: MFU >= 40% on H100/H200.
+#   7. the same GPT under --strategy fsdp (1 process, bf16 MixedPrecisionPolicy, compile,
+#      asynchronous DCP checkpoints, then export.py): tokens/s, MFU and peak memory beside
+#      check 6's ddp run. Target: tokens/s >= 0.9x ddp.
+#   8. --profile_steps on CUDA: kernels in the trace, a memory snapshot; fp16 log lines carry
+#      grad_norm and loss_scale.
 #   9. SIGTERM to torchrun during training with 4 DataLoader workers: the checkpoint is written
 #      (no "DataLoader worker ... killed"), and the resumed run ends where an uninterrupted one
-#      does (max relative parameter difference; GPU kernels need not be bit-reproducible).
-#  10. AdamW fused=True (what the project uses on CUDA) against unfused, the GPT of check 6
-#      without compile: tokens/s of each, the same loss.
-#  11. Synchronised batch norm kernels: a ResNet's forward and backward with every BatchNorm
-#      through torch.nn.SyncBatchNorm's function against the hand-written one, one GPU (a group
-#      of one: this compares the kernels, not the communication): images/s. Then the vision
-#      task trains on the GPU with torch's SyncBatchNorm layers (one process: they fall back to
-#      plain batch norm; synchronisation over several GPUs is not checked on one).
-#  12. --compile true --activation_checkpointing true under ddp and under fsdp: they run, and
-#      their tokens/s.
-#  13. The preflight names the network NCCL chose (NCCL_DEBUG=INFO's "Using network" line).
-#  14. Where a bf16 step of the GPT of check 10 goes (bench/breakdown.py's parts, from a trace of
-#      steps 21-40 through bench/profiled.py) and the share of those steps the GPU is idle;
-#      the table prints after the checks.
-#  15. doctor.py on each task with a GPU visible: no FAIL, and its steady-state forward and
-#      backward under torch.cuda.set_sync_debug_mode("warn") PASS (no host sync in model.py
-#      or the loss).
-#
-# The GPU machine has no cookiecutter (and no network): render the three tasks' projects here,
-# send them with the repository, and point the script at them there:
-#
-#   bash bench/gpu_check.sh --bake DIR             # here: DIR/tabular, DIR/language, DIR/vision
-#   bash bench/gpu_check.sh DIR                    # there: every check on DIR's projects
-#   CHECKS="1 5 14" bash bench/gpu_check.sh DIR    # only these (a device call has 10 minutes)
-#   bash bench/gpu_check.sh                        # renders them first (needs cookiecutter)
-#
-# Where OUT is set (the device tool's folder), every run's log and metrics, the doctor's reports
-# and the breakdown's table are packed into $OUT/gpu_check_logs.tgz at the end, whatever happened.
+#      does (max relative parameter difference < 1e-3).
+#  10. AdamW fused=True against unfused on check 6's GPT without compile: tokens/s (target:
+#      fused faster) and the same validation loss (within 2%).
+#  11. torch.nn.SyncBatchNorm's kernels against the hand-written ones (a group of one GPU):
+#      images/s (target: torch's faster); then the vision task trains on the GPU.
+#  12. --compile true --activation_checkpointing true under ddp and under fsdp: they run; tokens/s.
+#  13. the preflight names the network NCCL chose (its "NCCL network:" line).
+#  14. where a bf16 step of the GPT goes (bench/breakdown.py's parts of steps 21-40) and the
+#      share of those steps the GPU is idle (target < 5%); the table is breakdown.md in the logs.
+#  15. doctor.py on each task with a GPU visible: no FAIL (its CPU checks build the model for the
+#      CPU: the vision task's batch norm, FSDP2's mesh), and its steady-state forward and
+#      backward under torch.cuda.set_sync_debug_mode("warn") PASS.
+#  16. fsdp on the device the run was given: 1 process on the GPU trains; --device cpu with 2
+#      gloo processes trains on the CPU while torch's accelerator is cuda.
+#  17. after a run with --tf32 true, torch.get_float32_matmul_precision() and
+#      torch.backends.cuda.matmul.allow_tf32 read without "mix of the legacy and new APIs" (and
+#      after set_tf32(False)); inductor's max-autotune compiles an fp32 matmul afterwards.
+#  18. fsdp with --grad_accum_steps 4: after a micro-step that does not step the optimizer every
+#      parameter already holds its sharded gradient (reduce-scattered each micro-step, so no
+#      unsharded gradient is held); peak memory of accum 4 and accum 1 printed. With one GPU a
+#      shard is the whole gradient, so the peaks alone cannot show the saving.
+#  19. CUDA_VISIBLE_DEVICES=one GPU, 2 local ranks: the preflight fails, naming the shared GPU
+#      before NCCL's "Duplicate GPU detected".
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+self="$here/gpu_check.sh"
 python=${PYTHON:-python3}
-bake_all() {  # bake_all DIR: the generated project of each task in DIR/<task>/ (rendered afresh)
+
+# number  plan  estimated-s  limit-s  title. A plan runs its checks in this order. The estimates
+# are not timings (no GPU has run this yet): ~15 s a launch (torch, CUDA, NCCL), ~60-90 s a cold
+# inductor compile of the 12x768 GPT, the doctor's CPU seconds measured on a 2-core CPU machine.
+plan_table() {
+    cat <<'EOF'
+2   1a  20   60   a process whose only GPU is not device 0 trains
+3   1a  50   120  no host sync: bf16 and fp16 steps, evaluation
+4   1a  20   60   flight recorder dump on a collective timeout
+9   1a  60   120  SIGTERM with 4 DataLoader workers: checkpoint, resume
+16  1a  40   90   fsdp on the run's device (GPU; --device cpu)
+17  1a  35   90   TF32 on: both precision APIs readable afterwards
+19  1a  20   60   the preflight names one GPU shared by 2 local ranks
+18  1a  45   100  fsdp --grad_accum_steps 4: sharded gradients each micro-step
+15  1b  60   150  doctor.py on each task with a GPU visible
+6   1b  100  200  GPT 12x768 bf16 compile, ddp: tokens/s, MFU
+7   1b  130  220  GPT 12x768 bf16 compile, fsdp, async DCP, export
+1   2a  150  240  throughput: amp x compile on an MLP
+5   2a  35   90   preflight predicted bf16 step vs measured
+13  2a  5    60   preflight: the network NCCL chose
+8   2a  25   60   --profile_steps on CUDA: trace kernels, memory snapshot
+11  2a  40   120  SyncBatchNorm kernels; the vision task on the GPU
+10  2a  50   120  AdamW fused against unfused, GPT 12x768
+12  2b  230  300  compile + activation checkpointing, ddp and fsdp
+14  2b  60   150  step breakdown of the GPT and the GPU's idle share
+EOF
+}
+declare -A EST LIMIT TITLE PLAN_CHECKS
+while read -r n plan est limit title; do
+    EST[$n]=$est LIMIT[$n]=$limit TITLE[$n]=$title
+    PLAN_CHECKS[$plan]="${PLAN_CHECKS[$plan]:-}${PLAN_CHECKS[$plan]:+ }$n"
+done < <(plan_table)
+PLANS="1a 1b 2a 2b"
+
+if [[ ${1:-} == --plans ]]; then
+    echo "| plan | checks, in order | estimated s | limits s |"
+    echo "| --- | --- | --- | --- |"
+    for plan in $PLANS; do
+        est=0 lim=0
+        for n in ${PLAN_CHECKS[$plan]}; do est=$((est + EST[$n])) lim=$((lim + LIMIT[$n])); done
+        echo "| $plan | ${PLAN_CHECKS[$plan]} | $est | $lim |"
+    done
+    exit 0
+fi
+
+bake_all() {  # bake_all DIR: each task's project in DIR/<task>/ (rendered afresh) and their data in DIR/data/
     for task in tabular language vision; do
         rm -rf "${1:?}/$task"
         "$python" -m cookiecutter --no-input "$here/.." --output-dir "$1/$task" task="$task" >&2
     done
+    rm -rf "$1/data"
+    # 4 MB of text (8 MB of uint16 tokens: the carried folder has 64 MiB) and the digits (needs
+    # scikit-learn here; the GPU image has it too, and makes them there when they are missing).
+    (cd "$1"/language/*/ && "$python" prepare_data.py --output_dir "$1/data/text" --max_bytes 4000000 >&2) ||
+        echo "gpu_check.sh: the language task's text was not written: the GPU machine makes it" >&2
+    (cd "$1"/vision/*/ && "$python" prepare_data.py --output_dir "$1/data/digits" >&2) ||
+        echo "gpu_check.sh: the vision task's digits were not written: the GPU machine makes them" >&2
 }
 if [[ ${1:-} == --bake ]]; then
     [[ $# -eq 2 ]] || { echo "usage: bash bench/gpu_check.sh --bake DIR" >&2; exit 2; }
     mkdir -p "$2"
-    bake_all "$2"
-    echo "gpu_check.sh: the projects are in $2/tabular, $2/language and $2/vision"
+    dir=$(cd "$2" && pwd)
+    bake_all "$dir"
+    echo "gpu_check.sh: the projects are in $2/tabular, $2/language and $2/vision, their data in $2/data"
     exit 0
+fi
+one=
+if [[ ${1:-} == --one ]]; then  # internal: --one N DIR, one check, run by this script under its limit
+    one=$2
+    shift 2
 fi
 if [[ $# -ge 1 ]]; then
     baked=$(cd "$1" && pwd)
@@ -78,109 +156,118 @@ project_of() {  # project_of TASK: the generated project in $baked/TASK/
 project=$(project_of tabular)
 language=$(project_of language)
 vision=$(project_of vision)
-for n in ${CHECKS:-}; do
-    [[ $n =~ ^([1-9]|1[0-5])$ ]] || { echo "gpu_check.sh: CHECKS='$CHECKS': each must be a check number, 1 to 15, space-separated" >&2; exit 2; }
-done
-want() {  # want N...: whether any of these checks is selected (CHECKS="1 5"; all when unset)
-    local n
-    for n in "$@"; do [[ -z ${CHECKS:-} || " $CHECKS " == *" $n "* ]] && return 0; done
-    return 1
-}
-"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: no CUDA GPU visible')"
-runs=$(mktemp -d)
-pack_logs() {
-    [[ -n ${OUT:-} ]] || return 0
-    (cd "$runs" && find . \( -name '*.log' -o -name '*.md' -o -name metrics.jsonl -o -name doctor.json \) -print0 |
-        tar czf "$OUT/gpu_check_logs.tgz" --null -T -) || true
-}
-trap pack_logs EXIT
-cd "$project"
-failed=0
-check() {  # check NAME CONDITION_TEXT: prints a row, remembers a failure
-    if [[ $2 == ok* ]]; then echo "| $1 | $2 |"; else echo "| $1 | FAILED: $2 |"; failed=1; fi
-}
-# Blobs: labels made without the synthetic task's teacher network (minutes of CPU at this size).
-MLP=(--input_dim 1024 --hidden_dim 8192 --num_classes 1024 --batch_size 1024 --train_samples 131072
-    --val_samples 4096 --dataset blobs --num_workers 4 --log_every_steps 0 --progress_bar false --resume none)
-# The language task's GPT big enough to be compute-bound: 120 compiled steps for checks 6 and 7,
-# 60 without compile for checks 10, 12 and 14.
-GPT_MODEL=(--data_dir "$runs/text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --amp bf16
-    --val_samples 64 --log_every_steps 0 --progress_bar false --resume none)
-GPT_COMPILED=("${GPT_MODEL[@]}" --compile true --max_steps 120 --eval_every_steps 60)
-GPT=("${GPT_MODEL[@]}" --max_steps 60 --eval_every_steps 30)
-mlp_run() {  # mlp_run AMP COMPILE: check 1's run, metrics in $runs/AMP_COMPILE; status 0 if it trained
-    echo "gpu_check.sh: amp=$1 compile=$2" >&2
-    "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${MLP[@]}" --epochs 2 \
-        --amp "$1" --compile "$2" --output_dir "$runs/$1_$2" >"$runs/$1_$2.log" 2>&1 ||
-        { tail -n 30 "$runs/$1_$2.log" >&2; return 1; }
-}
-if want 6 7 10 12 14 15; then
-    (cd "$language" && "$python" prepare_data.py --output_dir "$runs/text" >"$runs/prepare.log" 2>&1) ||
-        echo "gpu_check.sh: the language task's text could not be written: $runs/prepare.log" >&2
-fi
-if want 11 15; then
-    (cd "$vision" && "$python" prepare_data.py --output_dir "$runs/digits" >"$runs/digits.log" 2>&1) ||
-        echo "gpu_check.sh: the vision task's digits could not be written (scikit-learn?): $runs/digits.log" >&2
-fi
 
-# --- 1. throughput --------------------------------------------------------------------------
-failed_runs=()
-if want 1; then
-for compile in false true; do
-    for amp in none bf16 fp16; do
-        mlp_run "$amp" "$compile" || failed_runs+=("${amp}_$compile")
-    done
-done
-"$python" - "$runs" <<'PY' || echo "gpu_check.sh: the throughput table failed (see the traceback above)" >&2
+# --- one check (the script runs itself with --one N under the check's time limit) -------------
+if [[ -n $one ]]; then
+runs=${GPU_CHECK_RUNS:?} results=${GPU_CHECK_RESULTS:?}
+started=${GPU_CHECK_STARTED:-$(date +%s)} deadline=${GPU_CHECK_DEADLINE:-$(( $(date +%s) + 3600 ))}
+text=${GPU_CHECK_TEXT:-$runs/text} digits=${GPU_CHECK_DIGITS:-$runs/digits}
+failed=0
+check() {  # check NAME CONDITION_TEXT: a row of the table (stdout and the results file); remembers a failure
+    local row
+    if [[ $2 == ok* ]]; then row="| $one. $1 | $2 | $(( $(date +%s) - started )) |"; else
+        row="| $one. $1 | FAILED: $2 | $(( $(date +%s) - started )) |"; failed=1; fi
+    echo "$row"
+    echo "$row" >>"$results"
+}
+target() {  # target CONDITION: "met" or "NOT met" (a goal: printed, never a failure)
+    if "$python" -c "import sys; sys.exit(0 if ($1) else 1)" 2>/dev/null; then echo met; else echo "NOT met"; fi
+}
+left() {  # seconds left to this check, less a margin for writing its rows
+    local s=$(( deadline - $(date +%s) - 8 ))
+    echo $(( s > 1 ? s : 1 ))
+}
+last_metrics() {  # last_metrics FILE EXPR: EXPR over the last metrics.jsonl line `m` (empty on error)
+    "$python" -c "
+import json, sys
+m = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+print($2)" "$1" 2>/dev/null || true
+}
+tail_text() { tail -n "${2:-3}" "$1" 2>/dev/null | tr '\n' ' ' | cut -c1-400; }
+cd "$project"
+# Blobs: labels made without the synthetic task's teacher network (minutes of CPU at this size).
+MLP=(--input_dim 1024 --hidden_dim 8192 --num_classes 1024 --batch_size 1024 --train_samples 65536
+    --val_samples 4096 --dataset blobs --num_workers 4 --log_every_steps 0 --progress_bar false --resume none)
+SMALL=(--train_samples 8192 --val_samples 1024 --max_steps 20 --log_every_steps 0 --progress_bar false --resume none)
+# The language task's GPT big enough to be compute-bound: 60 compiled steps for checks 6 and 7
+# (MFU from the second metrics line: steps 31-60, compile left out), 60 without compile for
+# checks 10, 12 and 14.
+GPT_MODEL=(--data_dir "$text" --block_size 1024 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --amp bf16
+    --val_samples 64 --log_every_steps 0 --progress_bar false --resume none)
+GPT_COMPILED=("${GPT_MODEL[@]}" --compile true --max_steps 60 --eval_every_steps 30)
+GPT=("${GPT_MODEL[@]}" --max_steps 60 --eval_every_steps 30)
+torchrun1=("$python" -m torch.distributed.run --standalone --nproc_per_node=1)
+mlp_run() {  # mlp_run AMP COMPILE: check 1's run, metrics in $runs/AMP_COMPILE; status 0 if it trained
+    "${torchrun1[@]}" train.py "${MLP[@]}" --epochs 2 --amp "$1" --compile "$2" --output_dir "$runs/$1_$2" \
+        >"$runs/$1_$2.log" 2>&1
+}
+preflight_run() {  # the MLP's preflight (checks 5 and 13), once
+    [[ -f $runs/preflight.log ]] && return 0
+    "${torchrun1[@]}" preflight.py "${MLP[@]}" --amp bf16 >"$runs/preflight.log" 2>&1 || true
+}
+
+check_1() {
+    local amp compile row
+    for compile in false true; do
+        for amp in none bf16 fp16; do
+            if ! mlp_run "$amp" "$compile"; then
+                check "throughput amp=$amp compile=$compile" "$(tail_text "$runs/${amp}_$compile.log")"
+                continue
+            fi
+            row=$("$python" - "$runs" "$amp" "$compile" <<'PY' 2>&1
 import json, sys
 from pathlib import Path
 
-runs = Path(sys.argv[1])
-rows = {}
-for compile_ in ("false", "true"):
-    for amp in ("none", "bf16", "fp16"):
-        path = runs / f"{amp}_{compile_}" / "metrics.jsonl"
-        if not path.exists():
-            continue  # that run failed: its row says so
-        last = json.loads(path.read_text().splitlines()[-1])
-        wait = last["data_wait_s"] / (last["data_wait_s"] + last["compute_s"])
-        rows[amp, compile_] = (last["samples_per_s"], last.get("mfu"), last["peak_memory_mb"], wait)
-print("| amp | compile | samples/s | MFU | peak memory (MB) | data wait | speedup vs none |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
-for (amp, compile_), (speed, mfu, memory, wait) in rows.items():
-    speedup = f"{speed / rows['none', compile_][0]:.2f}x" if ("none", compile_) in rows else "n/a"
-    mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
-    print(f"| {amp} | {compile_} | {speed:.0f} | {mfu_text} | {memory:.0f} | {100 * wait:.1f}% | {speedup} |")
+runs, amp, compile_ = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+def last(name):
+    path = runs / name / "metrics.jsonl"
+    return json.loads(path.read_text().splitlines()[-1]) if path.exists() else None
+m, none = last(f"{amp}_{compile_}"), last(f"none_{compile_}")
+wait = m["data_wait_s"] / (m["data_wait_s"] + m["compute_s"])
+speedup = m["samples_per_s"] / none["samples_per_s"] if none else None
+mfu = m.get("mfu")
+text = (f"{m['samples_per_s']:.0f} samples/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
+        f"peak {m['peak_memory_mb']:.0f} MB, data wait {100 * wait:.1f}%")
+if amp != "none":
+    text += f", {speedup:.2f}x none" if speedup else ", no none run to compare"
+goals = [("data wait < 5%", wait < 0.05)]
+if amp == "bf16":
+    goals += [("bf16 >= 1.8x none", bool(speedup and speedup >= 1.8)), ("MFU >= 40%", bool(mfu and mfu >= 0.40))]
+print(f"ok ({text}; targets: " + ", ".join(f"{g} {'met' if ok else 'NOT met'}" for g, ok in goals) + ")")
 PY
-echo
-fi
-echo "| check | result |"
-echo "| --- | --- |"
-for name in "${failed_runs[@]}"; do check "throughput run $name" "failed: $runs/$name.log"; done
+            ) || row="no metrics line: $(tail_text "$runs/${amp}_$compile.log")"
+            check "throughput amp=$amp compile=$compile" "$row"
+        done
+    done
+}
 
-# --- 2. a process whose only GPU is not device 0 ----------------------------------------------
-if want 2; then
-visible=${CUDA_VISIBLE_DEVICES:-0}
-if CUDA_VISIBLE_DEVICES=${visible%%,*} RANK=0 LOCAL_RANK=1 WORLD_SIZE=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
-    MASTER_PORT=29531 "$python" train.py --epochs 1 --train_samples 8192 --amp bf16 --resume none \
-    --output_dir "$runs/local_rank1" >"$runs/local_rank1.log" 2>&1; then
-    check "LOCAL_RANK=1, one visible GPU, trains" "ok ($(grep -o 'val_accuracy [0-9.]*' "$runs/local_rank1.log" | tail -n 1))"
-else
-    check "LOCAL_RANK=1, one visible GPU, trains" "$(tail -n 3 "$runs/local_rank1.log" | tr '\n' ' ')"
-fi
-fi
+check_2() {
+    local visible=${CUDA_VISIBLE_DEVICES:-0}
+    if CUDA_VISIBLE_DEVICES=${visible%%,*} RANK=0 LOCAL_RANK=1 WORLD_SIZE=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=29531 "$python" train.py "${SMALL[@]}" --amp bf16 --output_dir "$runs/local_rank1" \
+        >"$runs/local_rank1.log" 2>&1; then
+        check "LOCAL_RANK=1, one visible GPU, trains" "ok ($(grep -o 'val_accuracy [0-9.]*' "$runs/local_rank1.log" | tail -n 1))"
+    else
+        check "LOCAL_RANK=1, one visible GPU, trains" "$(tail_text "$runs/local_rank1.log")"
+    fi
+}
 
-# --- 3. no host sync in steady-state bf16 steps -----------------------------------------------
-if want 3; then
-# From the 4th step of each epoch until the loop's end, any synchronizing CUDA call raises.
-if "$python" - "${MLP[@]}" --epochs 2 --amp bf16 --output_dir "$runs/sync" >"$runs/sync.log" 2>&1 <<'PY'
-import sys
+check_3() {
+    # Training: from the 4th step of each epoch until the loop's end, any synchronizing CUDA
+    # call raises. Evaluation: every sync is recorded (mode "warn") with how many of its
+    # forwards were done; a sync after the first forward and before the last is a sync per batch.
+    local amp code
+    for amp in bf16 fp16; do
+        code=0
+        "$python" - "${MLP[@]}" --train_samples 32768 --epochs 2 --amp "$amp" --output_dir "$runs/sync_$amp" \
+            >"$runs/sync_$amp.log" 2>&1 <<'PY' || code=$?
+import sys, traceback, warnings
 import torch
 sys.path.insert(0, ".")
 import train
 
-train_step, settle = train.Trainer.train_step, train.Trainer.settle
-checked = []
+train_step, settle, evaluate = train.Trainer.train_step, train.Trainer.settle, train.Trainer.evaluate
+checked, evaluations = [], []
 
 def checked_train_step(self, *args, **kwargs):
     if self.step >= 3 and self.batches_done >= 3:
@@ -189,28 +276,65 @@ def checked_train_step(self, *args, **kwargs):
     return train_step(self, *args, **kwargs)
 
 def unchecked_settle(self):
-    torch.cuda.set_sync_debug_mode(0)  # the epoch's end: evaluation and checkpoints may sync
+    torch.cuda.set_sync_debug_mode(0)  # the epoch's end: checkpoints may sync
     return settle(self)
 
-train.Trainer.train_step, train.Trainer.settle = checked_train_step, unchecked_settle
+def checked_evaluate(self):
+    forwards, syncs = [0], []
+    def count(*_):
+        forwards[0] += 1
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            syncs.append((forwards[0], "".join(traceback.format_stack(limit=6)[:-1])))
+    hook = self.strategy.module.register_forward_hook(count)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return evaluate(self)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            hook.remove()
+            evaluations.append((forwards[0], syncs))
+
+train.Trainer.train_step, train.Trainer.settle, train.Trainer.evaluate = checked_train_step, unchecked_settle, checked_evaluate
 code = train.main(sys.argv[1:])
 print(f"SYNC_CHECKED_STEPS {len(set(checked))}")
+for batches, syncs in evaluations:
+    between = [where for done, where in syncs if 1 <= done < batches]
+    before = sum(done == 0 for done, _ in syncs)
+    print(f"EVAL_SYNCS batches {batches} before {before} between {len(between)} after {len(syncs) - before - len(between)}")
+    for where in between[:2]:  # where the first ones were
+        print("".join(f"EVAL_SYNC_BETWEEN_BATCHES {line}\n" for line in where.splitlines()), end="")
 sys.exit(code)
 PY
-then
-    check "steady-state bf16 steps under set_sync_debug_mode(\"error\")" "ok ($(grep -o 'SYNC_CHECKED_STEPS [0-9]*' "$runs/sync.log" | cut -d' ' -f2) steps, no sync)"
-else
-    check "steady-state bf16 steps under set_sync_debug_mode(\"error\")" "$(grep -m1 -i 'synchroniz' "$runs/sync.log" || tail -n 3 "$runs/sync.log" | tr '\n' ' ')"
-fi
-fi
+        local log=$runs/sync_$amp.log steps
+        steps=$(grep -o 'SYNC_CHECKED_STEPS [0-9]*' "$log" | cut -d' ' -f2) || true
+        if [[ $code == 0 && -n $steps && $steps -gt 0 ]]; then
+            check "steady-state $amp steps under set_sync_debug_mode(\"error\")" "ok ($steps steps, no sync)"
+        else
+            check "steady-state $amp steps under set_sync_debug_mode(\"error\")" "exit $code: $(grep -v '^EVAL' "$log" | grep -m1 -i 'synchroniz' || tail_text "$log")"
+        fi
+        local evals bad
+        evals=$(grep '^EVAL_SYNCS' "$log" | cut -d' ' -f2- | tr '\n' ';') || true
+        bad=$(grep -c '^EVAL_SYNCS batches [0-9]* before [0-9]* between [1-9]' "$log") || true
+        if [[ -z $evals ]]; then
+            check "$amp evaluation: no host sync between batches" "no evaluation recorded: $(tail_text "$log")"
+        elif [[ $bad -gt 0 ]] || grep -q '^EVAL_SYNCS batches [0-2] ' "$log"; then
+            check "$amp evaluation: no host sync between batches" "per evaluation: $evals (fewer than 3 batches, or syncs between them: $log)"
+        else
+            check "$amp evaluation: no host sync between batches" "ok (per evaluation: $evals)"
+        fi
+    done
+}
 
-# --- 4. the flight recorder dumps on a collective timeout -------------------------------------
-if want 4; then
-# One rank: a long GPU sleep queued before an all-reduce keeps it from finishing within the
-# 5 s timeout; NCCL's watchdog times it out and dumps the trace, then ends the process.
-rm -rf "$runs/trace"
-"$python" - "$runs/trace" >"$runs/trace.log" 2>&1 <<'PY' || true
-import sys, time
+check_4() {
+    # One rank: a long GPU sleep queued before an all-reduce keeps it from finishing within the
+    # 5 s timeout; NCCL's watchdog times it out and dumps the trace, then ends the process.
+    rm -rf "$runs/trace"
+    "$python" - "$runs/trace" >"$runs/trace.log" 2>&1 <<'PY' || true
+import glob, os, sys, time
 import torch
 import torch.distributed as dist
 sys.path.insert(0, ".")
@@ -222,92 +346,92 @@ dist.all_reduce(value)
 torch.cuda.synchronize()
 torch.cuda._sleep(50_000_000_000)  # ~25 s of GPU clock cycles
 dist.all_reduce(value)
-time.sleep(60)  # the watchdog times the all-reduce out and dumps meanwhile
+for _ in range(400):  # the watchdog times the all-reduce out and dumps meanwhile (or ends us)
+    if glob.glob(sys.argv[1] + "/rank_*"):
+        time.sleep(2)  # the dump finishes writing
+        break
+    time.sleep(0.1)
+print("gpu_check: leaving", flush=True)
+os._exit(0)
 PY
-if ls "$runs/trace"/rank_* >/dev/null 2>&1; then
-    # The dump is a pickle: its "entries" are the recorded collectives ("nccl:all_reduce").
-    entries=$("$python" -c "
+    if ls "$runs/trace"/rank_* >/dev/null 2>&1; then
+        # The dump is a pickle: its "entries" are the recorded collectives ("nccl:all_reduce").
+        local entries
+        entries=$("$python" -c "
 import glob, pickle, sys
 dumps = [pickle.load(open(path, 'rb')) for path in glob.glob(sys.argv[1] + '/rank_*')]
 print(sum(entry['profiling_name'] == 'nccl:all_reduce' for dump in dumps for entry in dump['entries']))
 " "$runs/trace" 2>/dev/null) || entries="?"
-    check "flight recorder dump on a collective timeout" "ok ($(ls "$runs/trace" | tr '\n' ' ')with $entries all-reduce entries)"
-else
-    check "flight recorder dump on a collective timeout" "no dump in $runs/trace: $(tail -n 2 "$runs/trace.log" | tr '\n' ' ')"
-fi
-fi
+        check "flight recorder dump on a collective timeout" "ok ($(ls "$runs/trace" | tr '\n' ' ')with $entries all-reduce entries)"
+    else
+        check "flight recorder dump on a collective timeout" "no dump in $runs/trace: $(tail_text "$runs/trace.log" 2)"
+    fi
+}
 
-# --- 5. the preflight's prediction against the measured step ----------------------------------
-if want 5 13; then
-# Check 13 reads this preflight's log too.
-"$python" -m torch.distributed.run --standalone --nproc_per_node=1 preflight.py "${MLP[@]}" --amp bf16 \
-    >"$runs/preflight.log" 2>&1 || true
-fi
-if want 5; then
-[[ -f $runs/bf16_false/metrics.jsonl ]] || mlp_run bf16 false || true  # check 1's bf16 run, when 1 was not run
-predicted_ms=$(grep -o 'compute [0-9.]* ms' "$runs/preflight.log" | head -n 1 | cut -d' ' -f2) || predicted_ms=
-measured_ms=$("$python" -c "
+check_5() {
+    preflight_run
+    [[ -f $runs/bf16_false/metrics.jsonl ]] || mlp_run bf16 false || true  # check 1's bf16 run, when 1 did not run
+    local predicted_ms measured_ms
+    predicted_ms=$(grep -o 'compute [0-9.]* ms' "$runs/preflight.log" | head -n 1 | cut -d' ' -f2) || predicted_ms=
+    measured_ms=$(last_metrics "$runs/bf16_false/metrics.jsonl" "1000 * 1024 / m['samples_per_s']")  # one global batch (1024)
+    if [[ -z $measured_ms ]]; then
+        check "preflight predicted bf16 step vs measured" "no measured step: $(tail_text "$runs/bf16_false.log")"
+    elif [[ -n $predicted_ms ]]; then
+        check "preflight predicted bf16 step vs measured" "ok (predicted $predicted_ms ms, measured $(printf '%.2f' "$measured_ms") ms, ratio $("$python" -c "print(f'{$predicted_ms / $measured_ms:.2f}')"); target +-25%: $(target "0.75 <= $predicted_ms / $measured_ms <= 1.25"))"
+    else
+        check "preflight predicted bf16 step vs measured" "no prediction: $(tail_text "$runs/preflight.log")"
+    fi
+}
+
+check_6() {
+    if (cd "$language" && "${torchrun1[@]}" train.py "${GPT_COMPILED[@]}" --output_dir "$runs/gpt" >"$runs/gpt.log" 2>&1); then
+        local gpt
+        gpt=$(last_metrics "$runs/gpt/metrics.jsonl" \
+            "f\"{m['tokens_per_s']:.0f} tokens/s, MFU {100 * m.get('mfu', 0):.1f}%, peak {m['peak_memory_mb']:.0f} MB; target MFU >= 40%: {'met' if m.get('mfu', 0) >= 0.40 else 'NOT met'}\"")
+        if [[ -n $gpt ]]; then check "GPT 12x768, 1024 tokens, bf16, compile, ddp" "ok ($gpt)"; else
+            check "GPT 12x768, 1024 tokens, bf16, compile, ddp" "no metrics line: see gpt.log"; fi
+    else
+        check "GPT 12x768, 1024 tokens, bf16, compile, ddp" "$(tail_text "$runs/gpt.log")"
+    fi
+}
+
+check_7() {
+    if (cd "$language" && "${torchrun1[@]}" train.py "${GPT_COMPILED[@]}" --strategy fsdp --async_checkpoint true \
+        --checkpoint_every_steps 30 --output_dir "$runs/gpt_fsdp" >"$runs/gpt_fsdp.log" 2>&1); then
+        local fsdp
+        fsdp=$("$python" - "$runs" <<'PY' 2>&1
 import json, sys
-last = json.loads(open('$runs/bf16_false/metrics.jsonl').read().splitlines()[-1])
-print(1000 * 1024 / last['samples_per_s'])  # one step of the global batch (1024) at the steady rate
-" 2>/dev/null) || measured_ms=
-if [[ -z $measured_ms ]]; then
-    check "preflight predicted bf16 step vs measured" "no measured step: $runs/bf16_false.log"
-elif [[ -n $predicted_ms ]]; then
-    ratio=$("$python" -c "print(f'{$predicted_ms / $measured_ms:.2f}')")
-    verdict=$("$python" -c "print('ok' if 0.75 <= $predicted_ms / $measured_ms <= 1.25 else 'off')")
-    check "preflight predicted bf16 step vs measured" "$verdict (predicted $predicted_ms ms, measured $(printf '%.2f' "$measured_ms") ms, ratio $ratio)"
-else
-    check "preflight predicted bf16 step vs measured" "no prediction: $(tail -n 3 "$runs/preflight.log" | tr '\n' ' ')"
-fi
-fi
+from pathlib import Path
 
-# --- 6. the language task: bf16 tokens/s and MFU on a compute-bound GPT ------------------------
-if want 6 7; then  # check 7 compares its run with this one
-if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py \
-    "${GPT_COMPILED[@]}" --output_dir "$runs/gpt" >"$runs/gpt.log" 2>&1); then
-    gpt=$("$python" -c "
-import json
-last = json.loads(open('$runs/gpt/metrics.jsonl').read().splitlines()[-1])
-print(f\"{last['tokens_per_s']:.0f} tokens/s, MFU {100 * last.get('mfu', 0):.1f}%, peak {last['peak_memory_mb']:.0f} MB\")
-ok = last.get('mfu', 0) >= 0.40
-print('ok' if ok else 'below 40%')
-" 2>&1) || gpt=$'no metrics\nthe run wrote no metrics line: see gpt.log'
-    verdict=$(echo "$gpt" | tail -n 1)
-    check "GPT 12x768, 1024 tokens, bf16, compile: MFU >= 40%" "$( [[ $verdict == ok ]] && echo ok || echo "$verdict" ) ($(echo "$gpt" | head -n 1))"
-else
-    check "GPT 12x768, 1024 tokens, bf16, compile: MFU >= 40%" "$(tail -n 3 "$runs/gpt.log" | tr '\n' ' ')"
-fi
-fi
+runs = Path(sys.argv[1])
+fsdp = json.loads((runs / "gpt_fsdp/metrics.jsonl").read_text().splitlines()[-1])
+text = f"{fsdp['tokens_per_s']:.0f} tokens/s, MFU {100 * fsdp.get('mfu', 0):.1f}%, peak {fsdp['peak_memory_mb']:.0f} MB"
+try:
+    ddp = json.loads((runs / "gpt/metrics.jsonl").read_text().splitlines()[-1])
+    ratio = fsdp["tokens_per_s"] / ddp["tokens_per_s"]
+    text += f"; ddp {ddp['tokens_per_s']:.0f} tokens/s, peak {ddp['peak_memory_mb']:.0f} MB: {ratio:.2f}x ddp; target >= 0.9x: {'met' if ratio >= 0.9 else 'NOT met'}"
+except (OSError, IndexError, KeyError, ValueError):
+    text += "; no ddp run to compare (check 6)"
+print(text)
+PY
+        ) || fsdp="no metrics line: see gpt_fsdp.log"
+        check "GPT 12x768 --strategy fsdp, bf16, compile, async DCP" "ok ($fsdp)"
+        if (cd "$language" && "$python" export.py "$runs/gpt_fsdp/checkpoints/last" "$runs/gpt_fsdp.pt" >"$runs/export.log" 2>&1); then
+            check "export.py of the fsdp run's last DCP checkpoint" "ok ($(du -h "$runs/gpt_fsdp.pt" | cut -f1))"
+        else
+            check "export.py of the fsdp run's last DCP checkpoint" "$(tail_text "$runs/export.log")"
+        fi
+        rm -f "$runs/gpt_fsdp.pt"
+    else
+        check "GPT 12x768 --strategy fsdp, bf16, compile, async DCP" "$(tail_text "$runs/gpt_fsdp.log")"
+    fi
+}
 
-# --- 7. the same GPT under --strategy fsdp ----------------------------------------------------
-if want 7; then
-if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py \
-    "${GPT_COMPILED[@]}" --strategy fsdp --async_checkpoint true --checkpoint_every_steps 60 \
-    --output_dir "$runs/gpt_fsdp" >"$runs/gpt_fsdp.log" 2>&1) &&
-    (cd "$language" && "$python" export.py "$runs/gpt_fsdp/checkpoints/last" "$runs/gpt_fsdp.pt" >>"$runs/gpt_fsdp.log" 2>&1); then
-    fsdp=$("$python" -c "
-import json
-ddp = json.loads(open('$runs/gpt/metrics.jsonl').read().splitlines()[-1])
-fsdp = json.loads(open('$runs/gpt_fsdp/metrics.jsonl').read().splitlines()[-1])
-ratio = fsdp['tokens_per_s'] / ddp['tokens_per_s']
-print(f\"{fsdp['tokens_per_s']:.0f} tokens/s ({ratio:.2f}x ddp), MFU {100 * fsdp.get('mfu', 0):.1f}%, \"
-      f\"peak {fsdp['peak_memory_mb']:.0f} MB (ddp {ddp['peak_memory_mb']:.0f} MB)\")
-print('ok' if ratio >= 0.9 else 'below 0.9x ddp')
-" 2>&1) || fsdp=$'no comparison\nno metrics of this run or of check 6 (the ddp run): see gpt.log, gpt_fsdp.log'
-    verdict=$(echo "$fsdp" | tail -n 1)
-    check "GPT 12x768 --strategy fsdp, bf16, compile: >= 0.9x ddp" "$( [[ $verdict == ok ]] && echo ok || echo "$verdict" ) ($(echo "$fsdp" | head -n 1))"
-else
-    check "GPT 12x768 --strategy fsdp, bf16, compile: >= 0.9x ddp" "$(tail -n 3 "$runs/gpt_fsdp.log" | tr '\n' ' ')"
-fi
-fi
-
-# --- 8. --profile_steps on CUDA: kernels in the trace, a memory snapshot --------------------------
-if want 8; then
-if (cd "$project" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${MLP[@]}" \
-    --max_steps 8 --amp fp16 --log_every_steps 2 --profile_steps 4:5 --progress_bar false --resume none \
-    --output_dir "$runs/profile" >"$runs/profile.log" 2>&1); then
-    profiled=$("$python" -c "
+check_8() {
+    if "${torchrun1[@]}" train.py "${MLP[@]}" --max_steps 8 --amp fp16 --log_every_steps 2 --profile_steps 4:5 \
+        --output_dir "$runs/profile" >"$runs/profile.log" 2>&1; then
+        local profiled scale_lines verdict
+        profiled=$("$python" -c "
 import json, pickle
 trace = json.load(open('$runs/profile/profile/trace_steps_4-5.json'))['traceEvents']
 kernels = sum(1 for e in trace if e.get('cat') == 'kernel')
@@ -315,31 +439,27 @@ snapshot = pickle.load(open('$runs/profile/profile/memory_steps_4-5.pickle', 'rb
 print(f\"{kernels} GPU kernels, {len(snapshot['segments'])} memory segments\")
 print('ok' if kernels > 0 and snapshot['segments'] else 'empty')
 " 2>&1) || profiled=$'no trace or snapshot\nno trace or memory snapshot to read: see profile.log'
-    scale_lines=$(grep -c 'grad_norm [0-9.e+-]* loss_scale' "$runs/profile.log" || true)
-    verdict=$(echo "$profiled" | tail -n 1)
-    [[ $verdict == ok && $scale_lines -ge 4 ]] || verdict="$verdict, $scale_lines fp16 log lines with loss_scale"
-    check "--profile_steps 4:5 on CUDA: trace kernels, memory snapshot" "$verdict ($(echo "$profiled" | head -n 1))"
-else
-    check "--profile_steps 4:5 on CUDA: trace kernels, memory snapshot" "$(tail -n 3 "$runs/profile.log" | tr '\n' ' ')"
-fi
-fi
+        scale_lines=$(grep -c 'grad_norm [0-9.e+-]* loss_scale' "$runs/profile.log" || true)
+        verdict=$(echo "$profiled" | tail -n 1)
+        [[ $verdict == ok && $scale_lines -ge 4 ]] || verdict="$verdict, $scale_lines fp16 log lines with loss_scale"
+        check "--profile_steps 4:5 on CUDA: trace kernels, memory snapshot" "$verdict ($(echo "$profiled" | head -n 1))"
+    else
+        check "--profile_steps 4:5 on CUDA: trace kernels, memory snapshot" "$(tail_text "$runs/profile.log")"
+    fi
+}
 
-# --- 9. SIGTERM with 4 DataLoader workers: checkpoint written, resume where it would have been ---
-if want 9; then
-SIGTERM_RUN=(--input_dim 256 --hidden_dim 2048 --num_classes 64 --batch_size 256 --train_samples 65536 --val_samples 4096
-    --input_noise_std 0.1 --num_workers 4 --epochs 2 --checkpoint_every_steps 50 --log_every_steps 0 --amp bf16
-    --progress_bar false)
-"$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${SIGTERM_RUN[@]}" --resume none \
-    --output_dir "$runs/whole" >"$runs/whole.log" 2>&1 || true
-"$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${SIGTERM_RUN[@]}" \
-    --output_dir "$runs/stopped" >"$runs/stopped.log" 2>&1 &
-torchrun_pid=$!
-for _ in $(seq 600); do [[ -e $runs/stopped/checkpoints/step_000000100.pt ]] && break; sleep 0.1; done
-kill -TERM "$torchrun_pid" 2>/dev/null || true
-wait "$torchrun_pid" || true
-"$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${SIGTERM_RUN[@]}" \
-    --output_dir "$runs/stopped" >"$runs/resumed.log" 2>&1 || true
-sigterm=$("$python" - "$runs" <<'PY'
+check_9() {
+    local SIGTERM_RUN=(--input_dim 256 --hidden_dim 2048 --num_classes 64 --batch_size 256 --train_samples 32768
+        --val_samples 4096 --dataset blobs --input_noise_std 0.1 --num_workers 4 --epochs 2 --checkpoint_every_steps 50
+        --log_every_steps 0 --amp bf16 --progress_bar false)
+    "${torchrun1[@]}" train.py "${SIGTERM_RUN[@]}" --resume none --output_dir "$runs/whole" >"$runs/whole.log" 2>&1 || true
+    "${torchrun1[@]}" train.py "${SIGTERM_RUN[@]}" --output_dir "$runs/stopped" >"$runs/stopped.log" 2>&1 &
+    local torchrun_pid=$! sigterm
+    for _ in $(seq 600); do [[ -e $runs/stopped/checkpoints/step_000000100.pt ]] && break; sleep 0.1; done
+    kill -TERM "$torchrun_pid" 2>/dev/null || true
+    wait "$torchrun_pid" || true
+    "${torchrun1[@]}" train.py "${SIGTERM_RUN[@]}" --output_dir "$runs/stopped" >"$runs/resumed.log" 2>&1 || true
+    sigterm=$("$python" - "$runs" <<'PY'
 import sys
 from pathlib import Path
 import torch
@@ -361,16 +481,15 @@ except Exception as error:  # a run that failed: say so in the row
 worst = max(((ours[k].float() - theirs[k].float()).norm() / theirs[k].float().norm().clamp_min(1e-12)).item() for k in theirs)
 print(f"{'ok' if worst < 1e-3 else 'differs'} (stopped and resumed, max relative parameter difference {worst:.1e})")
 PY
-) || sigterm="the comparison failed: see $runs/whole.log, stopped.log, resumed.log"
-check "SIGTERM with 4 DataLoader workers: checkpoint, resume" "$sigterm"
-fi
+    ) || sigterm="the comparison failed: see whole.log, stopped.log, resumed.log"
+    check "SIGTERM with 4 DataLoader workers: checkpoint, resume" "$sigterm"
+}
 
-# --- 10. fused AdamW against unfused ----------------------------------------------------------
-if want 10; then
-for fused in true false; do
-    (cd "$language" && "$python" - "${GPT[@]}" --output_dir "$runs/adamw_$fused" "$fused" >"$runs/adamw_$fused.log" 2>&1 <<'PY'
+check_10() {
+    local fused adamw
+    for fused in true false; do
+        (cd "$language" && "$python" - "${GPT[@]}" --output_dir "$runs/adamw_$fused" "$fused" >"$runs/adamw_$fused.log" 2>&1 <<'PY'
 import sys
-import torch
 sys.path.insert(0, ".")
 from ddp_utils import optim
 import train
@@ -388,9 +507,9 @@ def build_optimizer(model, cfg, device):
 train.build_optimizer = build_optimizer
 sys.exit(train.main(sys.argv[1:]))
 PY
-    ) || true
-done
-adamw=$("$python" - "$runs" <<'PY'
+        ) || true
+    done
+    adamw=$("$python" - "$runs" <<'PY'
 import json, sys
 from pathlib import Path
 
@@ -402,17 +521,17 @@ try:
 except (OSError, IndexError, KeyError, ValueError) as error:
     print(f"a run failed ({type(error).__name__}: {error}; see adamw_true.log, adamw_false.log)")
     sys.exit()
-verdict = "ok" if ratio >= 1.0 and same else ("slower" if ratio < 1.0 else "other loss")
-print(f"{verdict} (fused {fused['tokens_per_s']:.0f} tokens/s, unfused {plain['tokens_per_s']:.0f}: {ratio:.2f}x; "
+print(f"{'ok' if same else 'other loss'} (fused {fused['tokens_per_s']:.0f} tokens/s, unfused {plain['tokens_per_s']:.0f}: "
+      f"{ratio:.2f}x, target fused faster: {'met' if ratio > 1.0 else 'NOT met'}; "
       f"val_loss {fused['val_loss']:.4f} vs {plain['val_loss']:.4f})")
 PY
-) || adamw="the comparison failed"
-check "AdamW fused=True against unfused, GPT 12x768 bf16" "$adamw"
-fi
+    ) || adamw="the comparison failed"
+    check "AdamW fused=True against unfused, GPT 12x768 bf16" "$adamw"
+}
 
-# --- 11. torch.nn.SyncBatchNorm's kernels against the hand-written ones ------------------------
-if want 11; then
-syncbn=$(cd "$vision" && "$python" - 2>"$runs/syncbn.log" <<'PY'
+check_11() {
+    local syncbn
+    syncbn=$(cd "$vision" && "$python" - 2>"$runs/syncbn.log" <<'PY'
 import os, sys, time
 import torch
 import torch.distributed as dist
@@ -458,80 +577,331 @@ for cls in (TorchKernels, HandWritten):
     torch.cuda.synchronize()
     rates[cls.__name__] = 20 * len(images) / (time.perf_counter() - started)
 ratio = rates["TorchKernels"] / rates["HandWritten"]
-verdict = "ok" if ratio >= 1.0 else "slower"
-print(f"{verdict} (torch.nn.SyncBatchNorm {rates['TorchKernels']:.0f} images/s, hand-written {rates['HandWritten']:.0f}: {ratio:.2f}x)")
+print(f"ok (torch.nn.SyncBatchNorm {rates['TorchKernels']:.0f} images/s, hand-written {rates['HandWritten']:.0f}: "
+      f"{ratio:.2f}x; target torch's faster: {'met' if ratio > 1.0 else 'NOT met'})")
 dist.destroy_process_group()
 PY
-) || syncbn="failed: $(tail -n 2 "$runs/syncbn.log" | tr '\n' ' ')"
-check "SyncBatchNorm kernels: torch's against the hand-written, ResNet bf16" "${syncbn:-no output}"
-if (cd "$vision" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py --data_dir "$runs/digits" \
-    --epochs 2 --image_size 32 --amp bf16 --progress_bar false --resume none --output_dir "$runs/vision" \
-    >"$runs/vision.log" 2>&1); then
-    check "vision task on the GPU (torch's SyncBatchNorm layers)" "ok ($(grep -o 'val_accuracy [0-9.]*' "$runs/vision.log" | tail -n 1))"
-else
-    check "vision task on the GPU (torch's SyncBatchNorm layers)" "$(tail -n 3 "$runs/vision.log" | tr '\n' ' ')"
-fi
-fi
-
-# --- 12. compile with activation checkpointing, under ddp and fsdp -----------------------------
-if want 12; then
-for strategy in ddp fsdp; do
-    if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${GPT[@]}" \
-        --compile true --activation_checkpointing true --strategy "$strategy" --output_dir "$runs/ac_$strategy" \
-        >"$runs/ac_$strategy.log" 2>&1); then
-        tokens=$("$python" -c "import json; print(round(json.loads(open('$runs/ac_$strategy/metrics.jsonl').read().splitlines()[-1])['tokens_per_s']))") ||
-            tokens="no metrics line"
-        check "--compile true --activation_checkpointing true, $strategy" "ok ($tokens tokens/s)"
+    ) || syncbn="failed: $(tail_text "$runs/syncbn.log" 2)"
+    check "SyncBatchNorm kernels: torch's against the hand-written, ResNet bf16" "${syncbn:-no output}"
+    if (cd "$vision" && "${torchrun1[@]}" train.py --data_dir "$digits" --epochs 2 --image_size 32 --amp bf16 \
+        --progress_bar false --resume none --output_dir "$runs/vision" >"$runs/vision.log" 2>&1); then
+        check "vision task on the GPU (torch's SyncBatchNorm layers)" "ok ($(grep -o 'val_accuracy [0-9.]*' "$runs/vision.log" | tail -n 1))"
     else
-        check "--compile true --activation_checkpointing true, $strategy" "$(tail -n 3 "$runs/ac_$strategy.log" | tr '\n' ' ')"
+        check "vision task on the GPU (torch's SyncBatchNorm layers)" "$(tail_text "$runs/vision.log")"
     fi
-done
+}
+
+check_12() {
+    local strategy tokens
+    for strategy in ddp fsdp; do
+        if (cd "$language" && "${torchrun1[@]}" train.py "${GPT[@]}" --compile true --activation_checkpointing true \
+            --strategy "$strategy" --output_dir "$runs/ac_$strategy" >"$runs/ac_$strategy.log" 2>&1); then
+            tokens=$(last_metrics "$runs/ac_$strategy/metrics.jsonl" "round(m['tokens_per_s'])")
+            check "--compile true --activation_checkpointing true, $strategy" "ok (${tokens:-no metrics line, } tokens/s)"
+        else
+            check "--compile true --activation_checkpointing true, $strategy" "$(tail_text "$runs/ac_$strategy.log")"
+        fi
+    done
+}
+
+check_13() {
+    preflight_run  # check 5's, when it ran
+    local network
+    network=$(grep -o 'NCCL network: .*' "$runs/preflight.log" | head -n 1) || network=
+    if [[ -n $network ]]; then
+        check "preflight: the network NCCL chose" "ok ($network)"
+    else
+        check "preflight: the network NCCL chose" "no line: $(tail_text "$runs/preflight.log" 2)"
+    fi
+}
+
+check_14() {
+    if (cd "$language" && "${torchrun1[@]}" "$here/profiled.py" train.py "${GPT[@]}" --max_steps 45 --eval_every_steps 0 \
+        --profile_steps 21:40 --output_dir "$runs/breakdown" >"$runs/breakdown.log" 2>&1) &&
+        "$python" "$here/breakdown.py" --trace "$runs/breakdown/profile/trace_steps_21-40.json" >"$runs/breakdown.md" 2>&1; then
+        local idle
+        idle=$(grep -o 'GPU idle share | [0-9.]*' "$runs/breakdown.md" | grep -o '[0-9.]*$' || echo 100)
+        check "step breakdown, GPT 12x768 bf16, steps 21-40" "ok (GPU idle $idle% of the steps, target < 5%: $(target "$idle < 5"); table: breakdown.md in the logs)"
+    else
+        check "step breakdown, GPT 12x768 bf16, steps 21-40" "$(tail_text "$runs/breakdown.log") $(tail_text "$runs/breakdown.md" 2)"
+    fi
+    rm -f "$runs/breakdown/profile/"*.json  # tens of MB; the table holds what it says
+}
+
+check_15() {
+    local name task_dir data code row fails
+    for name in tabular language vision; do
+        case $name in
+            tabular) task_dir=$project data=() ;;
+            language) task_dir=$language data=(--data_dir "$text" --n_layer 2 --block_size 128) ;;  # the CPU float64 steps: 2 blocks
+            vision) task_dir=$vision data=(--data_dir "$digits") ;;
+        esac
+        code=0
+        (cd "$task_dir" && "$python" doctor.py "${data[@]}" --amp bf16 --output_dir "$runs/doctor_$name") \
+            >"$runs/doctor_$name.log" 2>&1 || code=$?
+        row=$(grep -o '| host syncs on the GPU | [A-Z]* | [^|]*' "$runs/doctor_$name.log" || echo "no GPU row")
+        fails=$(grep '| FAIL |' "$runs/doctor_$name.log" | cut -d'|' -f2 | sed 's/^ *//; s/ *$//' | tr '\n' ',' | sed 's/,$//') || true
+        if [[ $code == 0 && $row == *"| PASS |"* && -z $fails ]]; then
+            check "doctor.py with a GPU, $name task" "ok (${row#| host syncs on the GPU | PASS | })"
+        else
+            check "doctor.py with a GPU, $name task" "exit $code: $row; FAIL rows: ${fails:-none}$( [[ $code == 0 || -n $fails ]] || echo "; $(tail_text "$runs/doctor_$name.log" 2)")"
+        fi
+    done
+}
+
+check_16() {
+    # The first: FSDP2 meshed on the run's GPU. The second: torch's accelerator is cuda, the run
+    # is told --device cpu: FSDP2's mesh must be on the CPU (gloo), not on torch's default.
+    if "${torchrun1[@]}" train.py "${SMALL[@]}" --strategy fsdp --amp bf16 --output_dir "$runs/fsdp_gpu" \
+        >"$runs/fsdp_gpu.log" 2>&1; then
+        check "--strategy fsdp, 1 process on the GPU, trains" "ok ($(grep -o 'val_accuracy [0-9.]*' "$runs/fsdp_gpu.log" | tail -n 1))"
+    else
+        check "--strategy fsdp, 1 process on the GPU, trains" "$(tail_text "$runs/fsdp_gpu.log")"
+    fi
+    if "$python" -m torch.distributed.run --standalone --nproc_per_node=2 train.py "${SMALL[@]}" --strategy fsdp \
+        --device cpu --amp none --output_dir "$runs/fsdp_cpu" >"$runs/fsdp_cpu.log" 2>&1; then
+        check "--strategy fsdp --device cpu, 2 gloo processes, GPU visible, trains" "ok ($(grep -o 'val_accuracy [0-9.]*' "$runs/fsdp_cpu.log" | tail -n 1))"
+    else
+        check "--strategy fsdp --device cpu, 2 gloo processes, GPU visible, trains" "$(grep -m1 -E 'Error|error:' "$runs/fsdp_cpu.log" || tail_text "$runs/fsdp_cpu.log")"
+    fi
+}
+
+check_17() {
+    # A run with --tf32 true, then both APIs read in the same process; then set_tf32(False);
+    # then inductor's max-autotune (which reads them) compiles an fp32 matmul.
+    timeout -k 5 "$(left)" "$python" - "${SMALL[@]}" --tf32 true --amp none --output_dir "$runs/tf32" \
+        >"$runs/tf32.log" 2>&1 <<'PY' || true
+import sys
+import torch
+sys.path.insert(0, ".")
+import train
+from ddp_utils.dist import set_tf32
+
+def readings():
+    values = {}
+    for name, read in (("get_float32_matmul_precision()", torch.get_float32_matmul_precision),
+                       ("cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32),
+                       ("cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32)):
+        try:
+            values[name] = read()
+        except Exception as error:
+            values[name] = f"raises {type(error).__name__}: {str(error).splitlines()[0][:80]}"
+    return values
+
+code = train.main(sys.argv[1:])
+after_run = readings()
+ok_on = after_run["get_float32_matmul_precision()"] in ("high", "medium") and after_run["cuda.matmul.allow_tf32"] is True
+set_tf32(False)
+after_off = readings()
+ok_off = after_off["get_float32_matmul_precision()"] == "highest" and after_off["cuda.matmul.allow_tf32"] is False
+text = ", ".join(f"{k} {v!r}" for k, v in after_run.items())
+text_off = ", ".join(f"{k} {v!r}" for k, v in after_off.items())
+print(f"TF32_ON {'ok' if code == 0 and ok_on else 'wrong'} (run exit {code}; {text})", flush=True)
+print(f"TF32_OFF {'ok' if ok_off else 'wrong'} ({text_off})", flush=True)
+set_tf32(True)
+try:
+    matmul = torch.compile(lambda a, b: a @ b, mode="max-autotune-no-cudagraphs")
+    a, b = torch.randn(512, 512, device="cuda"), torch.randn(512, 512, device="cuda")
+    error = ((matmul(a, b) - a.double() @ b.double()).norm() / (a.double() @ b.double()).norm()).item()
+    print(f"TF32_AUTOTUNE ok (relative error {error:.1e} against float64)", flush=True)
+except Exception as failure:
+    print(f"TF32_AUTOTUNE {type(failure).__name__}: {str(failure).splitlines()[0][:200]}", flush=True)
+PY
+    local line
+    for kind in ON OFF AUTOTUNE; do
+        line=$(grep -m1 "^TF32_$kind " "$runs/tf32.log" | cut -d' ' -f2-) || line=
+        case $kind in
+            ON) name="--tf32 true run, then both precision APIs read" ;;
+            OFF) name="set_tf32(False), then both precision APIs read" ;;
+            AUTOTUNE) name="inductor max-autotune fp32 matmul after set_tf32(True)" ;;
+        esac
+        check "$name" "${line:-no result: $(tail_text "$runs/tf32.log" 2)}"
+    done
+}
+
+check_18() {
+    # Accumulation 4 in this process: after the first micro-step that does not step the optimizer,
+    # do the (sharded, DTensor) parameters hold their gradient? Then accumulation 1, for the peaks.
+    local FSDP_GPT=(--data_dir "$text" --block_size 256 --n_layer 12 --n_head 12 --n_embd 768 --batch_size 4 --amp bf16
+        --strategy fsdp --max_steps 4 --val_samples 16 --log_every_steps 0 --progress_bar false --resume none)
+    (cd "$language" && "$python" - "${FSDP_GPT[@]}" --grad_accum_steps 4 --output_dir "$runs/accum4" >"$runs/accum4.log" 2>&1 <<'PY'
+import sys
+import torch
+sys.path.insert(0, ".")
+import train
+
+train_step, seen = train.Trainer.train_step, []
+
+def inspected_train_step(self, batch, sync):
+    loss = train_step(self, batch, sync)
+    if not sync and not seen:
+        trained = [p for p in self.parameters if p.requires_grad]
+        seen.append((sum(p.grad is not None for p in trained), len(trained), torch.cuda.memory_allocated() / 2**20))
+    return loss
+
+train.Trainer.train_step = inspected_train_step
+code = train.main(sys.argv[1:])
+if seen:
+    held, total, allocated = seen[0]
+    print(f"ACCUM_GRADS {held} {total} {allocated:.0f}")
+sys.exit(code)
+PY
+    ) || true
+    (cd "$language" && "${torchrun1[@]}" train.py "${FSDP_GPT[@]}" --grad_accum_steps 1 --output_dir "$runs/accum1" \
+        >"$runs/accum1.log" 2>&1) || true
+    local grads peak4 peak1 state
+    grads=$(grep -o 'ACCUM_GRADS .*' "$runs/accum4.log" | cut -d' ' -f2-) || grads=
+    peak4=$(last_metrics "$runs/accum4/metrics.jsonl" "round(m['peak_memory_mb'])")
+    peak1=$(last_metrics "$runs/accum1/metrics.jsonl" "round(m['peak_memory_mb'])")
+    state=$(last_metrics "$runs/accum4/metrics.jsonl" "round(m['model_state_mb'] / 4)")  # params, grads, 2 AdamW moments: 1/4 is a gradient
+    local memory="peak accum 4 ${peak4:-?} MB, accum 1 ${peak1:-?} MB (a whole fp32 gradient ${state:-?} MB; one GPU: a shard is all of it)"
+    if [[ -z $grads ]]; then
+        check "fsdp --grad_accum_steps 4: gradients sharded each micro-step" "no micro-step seen: $(tail_text "$runs/accum4.log")"
+    else
+        read -r held total allocated <<<"$grads"
+        if [[ $held == "$total" && -n $peak4 ]]; then
+            check "fsdp --grad_accum_steps 4: gradients sharded each micro-step" "ok (after micro-step 1 of 4: $held of $total parameters hold their sharded gradient, ${allocated} MB allocated; $memory)"
+        else
+            check "fsdp --grad_accum_steps 4: gradients sharded each micro-step" "after micro-step 1 of 4 $held of $total parameters hold a sharded gradient (the rest held unsharded until the last micro-step?); $memory"
+        fi
+    fi
+}
+
+check_19() {
+    # Two local ranks, one visible GPU: the preflight must name the shared GPU before NCCL does.
+    local visible=${CUDA_VISIBLE_DEVICES:-0} code=0 named dup named_at=0 dup_at=0
+    CUDA_VISIBLE_DEVICES=${visible%%,*} "$python" -m torch.distributed.run --standalone --nproc_per_node=2 preflight.py \
+        "${SMALL[@]}" >"$runs/shared_gpu.log" 2>&1 || code=$?
+    # preflight.py's line: "local ranks 0 and 1 on HOST would all train on one GPU, NAME GPU-UUID (NCCL
+    # stops with 'Duplicate GPU detected'): ..."; NCCL's own is any other line naming a duplicate GPU.
+    named=$(grep -n -m1 -i -E 'would all train on one GPU|same GPU|share[sd]? (one |a |the |this |its )?GPU' \
+        "$runs/shared_gpu.log") || named=
+    dup=$(grep -n 'Duplicate GPU' "$runs/shared_gpu.log" | grep -v -i 'would all train on one GPU' | head -n 1) || dup=
+    [[ -n $named ]] && named_at=${named%%:*}
+    [[ -n $dup ]] && dup_at=${dup%%:*}
+    if [[ $code != 0 && -n $named && ( $dup_at == 0 || $named_at -lt $dup_at ) ]]; then
+        check "2 local ranks on one GPU: the preflight names it" "ok (exit $code: ${named#*:})"
+    else
+        check "2 local ranks on one GPU: the preflight names it" "exit $code; its line: ${named:-none}; NCCL's: ${dup:-none}; first errors: $(grep -m2 -E 'PROBLEM|[Ee]rror:' "$runs/shared_gpu.log" | tr '\n' ' ' | cut -c1-300)"
+    fi
+}
+
+"check_$one"
+exit $failed
 fi
 
-# --- 13. the network NCCL chose ---------------------------------------------------------------
-if want 13; then
-network=$(grep -o 'NCCL network: .*' "$runs/preflight.log" | head -n 1) || network=  # check 5's preflight
-if [[ -n $network ]]; then
-    check "preflight: the network NCCL chose" "ok ($network)"
+# --- the run: which checks, the GPU, the data, then each check under its limit ---------------
+if [[ -n ${PLAN:-} && -n ${CHECKS:-} ]]; then
+    echo "gpu_check.sh: give PLAN or CHECKS, not both" >&2; exit 2
+fi
+if [[ -n ${PLAN:-} ]]; then
+    [[ " $PLANS " == *" $PLAN "* ]] || { echo "gpu_check.sh: PLAN='$PLAN': one of $PLANS (bash bench/gpu_check.sh --plans)" >&2; exit 2; }
+    selected=${PLAN_CHECKS[$PLAN]}
+    budget=${BUDGET_S:-330}
 else
-    check "preflight: the network NCCL chose" "no line: $(tail -n 2 "$runs/preflight.log" | tr '\n' ' ')"
+    for n in ${CHECKS:-}; do
+        [[ $n =~ ^([1-9]|1[0-9])$ ]] || { echo "gpu_check.sh: CHECKS='$CHECKS': each must be a check number, 1 to 19, space-separated" >&2; exit 2; }
+    done
+    selected=${CHECKS:-$(for plan in $PLANS; do echo "${PLAN_CHECKS[$plan]}"; done | tr '\n' ' ')}
+    budget=${BUDGET_S:-0}  # 0: no budget
 fi
+started_all=$(date +%s)
+# 0. The GPU, and the peak the project's MFU table matches for it (the only output without a GPU:
+# the line the caller checks for).
+gpu=$("$python" - "$project" <<'PY'
+import sys
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit("gpu_check.sh: no CUDA GPU visible")
+sys.path.insert(0, sys.argv[1])
+from ddp_utils.metrics import peak_tflops
+
+name = torch.cuda.get_device_name()
+peaks = {"bf16": peak_tflops(name, "bf16", True), "fp16": peak_tflops(name, "fp16", True),
+         "tf32": peak_tflops(name, "none", True), "fp32": peak_tflops(name, "none", False)}
+text = ", ".join(f"{k} {v:g}" for k, v in peaks.items())
+status = "ok" if peaks["bf16"] > 0 or peaks["fp16"] > 0 else "no peak in the table (MFU not reported; --peak_tflops)"
+print(f"{status} ({torch.cuda.device_count()} x {name!r}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
+      f"ddp_utils/metrics.py peak TFLOP/s: {text})")
+PY
+) || exit 1
+runs=$(mktemp -d)
+results=${OUT:+$OUT/gpu_check_results.txt}
+results=${results:-$runs/gpu_check_results.txt}
+pack_logs() {  # every log so far, in one file under $OUT (8 files at most come back)
+    [[ -n ${OUT:-} ]] || return 0
+    if (cd "$runs" && find . -type f -size -8M \( -name '*.log' -o -name '*.md' -o -name '*.out' -o -name '*.txt' \
+        -o -name metrics.jsonl -o -name doctor.json -o -name 'rank_*' \) -print0 |
+        tar czf "$runs/logs.tgz.partial" --null -T -) 2>/dev/null; then
+        mv -f "$runs/logs.tgz.partial" "$OUT/gpu_check_logs.tgz" || true
+    fi
+}
+trap pack_logs EXIT
+{
+    echo "# bench/gpu_check.sh ${PLAN:+PLAN=$PLAN }checks: $selected; $(date -u +%Y-%m-%dT%H:%M:%SZ); $( [[ $budget -gt 0 ]] && echo "budget $budget s" || echo "no budget")"
+    echo "| check | result | s |"
+    echo "| --- | --- | --- |"
+} | tee -a "$results"
+row() { echo "$1" | tee -a "$results"; }
+failed=0
+[[ $gpu == ok* ]] || failed=1
+row "| 0. the GPU and its MFU peak | $gpu | $(( $(date +%s) - started_all )) |"
+
+# The data: made here (--bake), else written now.
+text=$baked/data/text digits=$baked/data/digits
+needs() { local n; for n in "$@"; do [[ " $selected " == *" $n "* ]] && return 0; done; return 1; }
+if [[ ! -f $text/train.bin ]] && needs 6 7 10 12 14 15 18; then
+    text=$runs/text
+    (cd "$language" && "$python" prepare_data.py --output_dir "$text" --max_bytes 4000000 >"$runs/prepare.log" 2>&1) ||
+        echo "gpu_check.sh: the language task's text could not be written: $runs/prepare.log" >&2
+fi
+if [[ ! -d $digits/train ]] && needs 11 15; then
+    digits=$runs/digits
+    (cd "$vision" && "$python" prepare_data.py --output_dir "$digits" >"$runs/digits.log" 2>&1) ||
+        echo "gpu_check.sh: the vision task's digits could not be written (scikit-learn?): $runs/digits.log" >&2
 fi
 
-# --- 14. where a bf16 step goes, and the GPU's idle share --------------------------------------
-if want 14; then
-if (cd "$language" && "$python" -m torch.distributed.run --standalone --nproc_per_node=1 "$here/profiled.py" train.py \
-    "${GPT[@]}" --max_steps 45 --eval_every_steps 0 --profile_steps 21:40 --output_dir "$runs/breakdown" \
-    >"$runs/breakdown.log" 2>&1) &&
-    "$python" "$here/breakdown.py" --trace "$runs/breakdown/profile/trace_steps_21-40.json" >"$runs/breakdown.md" 2>&1; then
-    idle=$(grep -o 'GPU idle share | [0-9.]*' "$runs/breakdown.md" | grep -o '[0-9.]*$' || echo 100)
-    verdict=$("$python" -c "print('ok' if $idle < 5 else 'above the 5% target')")
-    check "step breakdown, GPT 12x768 bf16, steps 21-40: GPU idle < 5%" "$verdict (GPU idle $idle% of the steps; table below)"
-    echo
-    cat "$runs/breakdown.md"
-else
-    check "step breakdown, GPT 12x768 bf16, steps 21-40: GPU idle < 5%" "$(tail -n 3 "$runs/breakdown.log" "$runs/breakdown.md" 2>/dev/null | tr '\n' ' ')"
-fi
-fi
-
-# --- 15. the doctor with a GPU: no FAIL, no host sync in a steady-state step --------------------
-if want 15; then
-for name in tabular language vision; do
-    case $name in
-        tabular) task_dir=$project data=() ;;
-        language) task_dir=$language data=(--data_dir "$runs/text") ;;
-        vision) task_dir=$vision data=(--data_dir "$runs/digits") ;;
-    esac
+sweep() {  # sweep TAG: kill what a check left running (its processes carry the tag in their environment)
+    local pid n=0
+    for pid in $(grep -lsz "^GPU_CHECK_TAG=$1\$" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
+        [[ $pid == "$$" ]] && continue
+        kill -KILL "$pid" 2>/dev/null && n=$((n + 1))
+    done
+    echo "$n"
+}
+for n in $selected; do
+    now=$(date +%s)
+    limit=${GPU_CHECK_LIMIT_S:-${LIMIT[$n]}}
+    if [[ $budget -gt 0 ]]; then
+        left=$(( started_all + budget - now ))
+        if [[ $left -lt ${EST[$n]} ]]; then
+            row "| $n. ${TITLE[$n]} | NOT RUN: ${left} s left of the ${budget} s budget, it needs about ${EST[$n]} s | 0 |"
+            failed=1
+            continue
+        fi
+        [[ $limit -le $left ]] || limit=$left
+    fi
+    echo "gpu_check.sh: check $n (${TITLE[$n]}), at most $limit s" >&2
+    lines_before=$(wc -l <"$results")
     code=0
-    (cd "$task_dir" && "$python" doctor.py "${data[@]}" --amp bf16 --output_dir "$runs/doctor_$name") \
-        >"$runs/doctor_$name.log" 2>&1 || code=$?
-    row=$(grep -o '| host syncs on the GPU | [A-Z]* | [^|]*' "$runs/doctor_$name.log" || echo "no GPU row")
-    if [[ $code == 0 && $row == *"| PASS |"* ]]; then
-        check "doctor.py with a GPU, $name task" "ok (${row#| host syncs on the GPU | PASS | })"
-    else
-        check "doctor.py with a GPU, $name task" "exit $code: $row; $(grep -c '| FAIL |' "$runs/doctor_$name.log") FAIL rows"
+    GPU_CHECK_TAG="check_${n}_$$" GPU_CHECK_RUNS=$runs GPU_CHECK_RESULTS=$results GPU_CHECK_STARTED=$now \
+        GPU_CHECK_DEADLINE=$(( now + limit )) GPU_CHECK_TEXT=$text GPU_CHECK_DIGITS=$digits PYTHON=$python \
+        PYTHONUNBUFFERED=1 timeout -k 10 "$limit" bash "$self" --one "$n" "$baked" </dev/null 2>>"$runs/check_$n.out" ||
+        code=$?
+    leftover=$(sweep "check_${n}_$$")
+    spent=$(( $(date +%s) - now ))
+    if [[ $code == 124 || $code == 137 ]]; then
+        row "| $n. ${TITLE[$n]} | FAILED: timed out after $limit s (its limit; rows above are what it finished)$( [[ $leftover == 0 ]] || echo "; killed what it left running: $leftover processes") | $spent |"
+        failed=1
+    elif [[ $(wc -l <"$results") == "$lines_before" ]]; then
+        row "| $n. ${TITLE[$n]} | FAILED: stopped with exit $code before writing a row: $(tail -n 2 "$runs/check_$n.out" | tr '\n' ' ' | cut -c1-300) | $spent |"
+        failed=1
+    elif [[ $code != 0 ]]; then
+        failed=1
     fi
+    [[ $leftover == 0 || $code == 124 || $code == 137 ]] || echo "gpu_check.sh: check $n left $leftover processes: killed" >&2
+    pack_logs
 done
-fi
-
+echo "gpu_check.sh: $(( $(date +%s) - started_all )) s; results in $results${OUT:+, logs in $OUT/gpu_check_logs.tgz}" >&2
 exit $failed

@@ -182,8 +182,8 @@ MUTANTS = [
         "fp16_scale_floor_ignored",
         "fp16 goes on with a vanishing loss scale",
         "ddp_utils/faults.py",
-        "            low_scale = new_scale < self.cfg.min_loss_scale\n",
-        "            low_scale = False\n",
+        "low_scale, skipped = new_scale < self.cfg.min_loss_scale, new_scale < scale",
+        "low_scale, skipped = False, new_scale < scale",
         (f"{CORRECTNESS}::test_fp16_failure_stops_every_rank_with_one_line_naming_the_knobs",),
     ),
     Mutant(
@@ -230,11 +230,10 @@ MUTANTS = [
         "fsdp_clip_per_shard",
         "fsdp: each rank clips its gradient shards by their own norm",
         "ddp_utils/strategy.py",
-        "        return clip_grad_norm(parameters, max_norm).full_tensor()\n",
+        "        norm = clip_grad_norm(parameters, max_norm)\n",
         "        shards = [p.grad.to_local() for p in parameters]\n"
         "        norm = torch.nn.utils.get_total_norm(shards)\n"
-        "        torch.nn.utils.clip_grads_with_norm_(shards, max_norm, norm)\n"
-        "        return norm\n",
+        "        torch.nn.utils.clip_grads_with_norm_(shards, max_norm, norm)\n",
         (f"{FSDP}::test_fsdp_trains_the_same_parameters_as_ddp",),
     ),
     Mutant(
@@ -540,12 +539,16 @@ MUTANTS = [
         (f"{FSDP}::test_sigterm_under_fsdp_saves_shards_and_resume_is_exact",),
     ),
     Mutant(
-        "tf32_through_the_legacy_flags",
-        "TF32 set with torch.backends.cuda.matmul.allow_tf32, which torch refuses to mix with fp32_precision",
+        "tf32_through_the_new_api_only",
+        "TF32 set with torch's fp32_precision alone: the legacy flags, which Inductor reads, then raise",
         "ddp_utils/dist.py",
-        "    torch.backends.cuda.matmul.fp32_precision = precision\n",
-        "    torch.backends.cuda.matmul.allow_tf32 = enabled\n",
-        ("tests/test_diagnosis.py::test_tf32_is_set_through_torchs_fp32_precision_api_only",),
+        "    torch.backends.cuda.matmul.allow_tf32 = enabled\n"
+        "    torch.backends.cudnn.allow_tf32 = enabled\n"
+        '    torch.set_float32_matmul_precision("high" if enabled else "highest")\n',
+        '    precision = "tf32" if enabled else "ieee"\n'
+        "    torch.backends.cuda.matmul.fp32_precision = precision\n"
+        "    torch.backends.cudnn.conv.fp32_precision = precision\n",
+        ("tests/test_diagnosis.py::test_tf32_leaves_both_of_torchs_apis_readable_and_agreeing",),
     ),
     Mutant(
         "hsdp_without_its_mesh",
@@ -559,7 +562,7 @@ MUTANTS = [
         "hsdp_groups_with_default_timeout",
         "the device mesh's process groups get torch's default timeout, not --timeout_seconds",
         "ddp_utils/strategy.py",
-        ",\n                                         backend_override=dict.fromkeys(names, group))",
+        ",\n                                         backend_override=mesh_group_settings(names, cfg.timeout_seconds))",
         ")",
         (f"{FSDP}::test_hsdp_trains_the_same_parameters_as_ddp",),
     ),
@@ -746,6 +749,74 @@ MUTANTS = [
         "    if not first:\n        time.sleep(ERROR_WAIT_SECONDS)\n",
         "    if not first:\n        sys.exit(2)\n",
         ("tests/test_config.py::test_bad_value_under_torchrun_is_reported_once",),
+    ),
+    Mutant(
+        "fsdp_mesh_on_the_accelerator",
+        "fsdp's one-dimension mesh on torch's accelerator (cuda wherever a GPU is visible), not on --device",
+        "ddp_utils/strategy.py",
+        "self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))",
+        "self.mesh = init_device_mesh(torch._C._get_accelerator().type, (ctx.world_size,))",
+        (
+            f"{FSDP}::test_fsdp_trains_the_same_parameters_as_ddp",
+            "tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",
+        ),
+    ),
+    Mutant(
+        "fsdp_gradients_unsharded_until_the_last_micro_step",
+        "fsdp accumulates the whole unsharded gradient on every rank, reduce-scattered on the last micro-step only",
+        "ddp_utils/strategy.py",
+        "        if self.mesh.ndim > 1:\n            self.model.set_requires_all_reduce(sync)\n",
+        "        self.model.set_requires_gradient_sync(sync)\n",
+        (f"{FSDP}::test_fsdp_accumulates_gradients_as_shards",),
+    ),
+    Mutant(
+        "hsdp_dimensions_share_group_options",
+        "both dimensions of HSDP's mesh made with one process-group options object",
+        "ddp_utils/strategy.py",
+        "return {name: group_settings(timeout_seconds) for name in names}",
+        "return dict.fromkeys(names, group_settings(timeout_seconds))",
+        (f"{FSDP}::test_each_mesh_dimension_gets_its_own_group_options",),
+    ),
+    Mutant(
+        "fsdp_clip_per_tensor",
+        "clipping fsdp's DTensor gradients told not to use torch's foreach kernels: a norm per tensor",
+        "ddp_utils/optim.py",
+        "return torch.nn.utils.clip_grad_norm_(parameters, max_norm)",
+        "return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=False)",
+        (f"{FSDP}::test_clipping_sharded_gradients_takes_torchs_foreach_kernels",),
+    ),
+    Mutant(
+        "older_torchrun_keeps_its_30_s",
+        "under torchrun 2.11 (no --shutdown-timeout) the workers get torchrun's fixed 30 s, not launch.sh's grace",
+        "scripts/torchrun_status.py",
+        "    processes.close = close_with_grace\n",
+        "",
+        ("tests/test_train.py::test_older_torchrun_gives_the_workers_launch_shs_stop_grace",),
+    ),
+    Mutant(
+        "fp16_scale_read_to_the_host",
+        "fp16's loss scale read to the host twice every optimizer step (GradScaler.get_scale)",
+        "train.py",
+        "    return scaler._get_scale_async().clone()\n",
+        "    return torch.tensor(scaler.get_scale())\n",
+        ("tests/test_experiments.py::test_log_steps_show_gradient_norm_and_fp16_loss_scale",),
+    ),
+    Mutant(
+        "peak_tflops_by_prefix",
+        "the MFU peak matched by the device name's beginning: a MIG slice gets the whole GPU's peak",
+        "ddp_utils/metrics.py",
+        "    peaks = PEAK_TFLOPS.get(device_name.strip())\n",
+        "    peaks = next((p for name, p in PEAK_TFLOPS.items() if device_name.startswith(name)), None)\n",
+        ("tests/test_observability.py::test_peak_tflops_match_the_exact_device_and_precision",),
+    ),
+    Mutant(
+        "doctor_builds_the_model_for_the_gpu",
+        "on a GPU host the doctor's CPU checks build the model as a GPU run would (torch's SyncBatchNorm)",
+        "doctor.py",
+        '    gpu_cfg, cfg = cfg, dataclasses.replace(cfg, device="cpu")\n',
+        "    gpu_cfg = cfg\n",
+        ("tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",),
+        task="vision",
     ),
 ]
 

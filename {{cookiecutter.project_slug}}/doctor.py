@@ -51,6 +51,7 @@ when a check fails, 2 when the config or data is unusable.
 """
 
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -109,11 +110,15 @@ def built(task, cfg):
 
 
 def diagnose(cfg, gpu_gb, world_size, gpus_per_node):
+    # Every check but the GPU's runs on this machine's CPU (gloo processes, float64): the model
+    # as --device cpu builds it, also where a GPU is visible (a task may pick GPU-only layers,
+    # such as torch's SyncBatchNorm, for a run on GPUs).
+    gpu_cfg, cfg = cfg, dataclasses.replace(cfg, device="cpu")
     task, model, small, batches = build(cfg)
     plans, flags, configured = memory_plan(model, small, task.loss_fn, cfg, world_size, gpus_per_node)
     rows = [memory_check(plans, flags, configured, cfg, gpu_gb, world_size)]
     if torch.cuda.is_available():
-        rows.append(gpu_sync_check(model, small, task.loss_fn, cfg))
+        rows.append(gpu_sync_check(built(task, gpu_cfg), small, task.loss_fn, gpu_cfg))
     small = to_float64(small)  # the steps below on SAMPLES samples: a float64 step of a large model is slow
     processes = attempt("1 vs 2 processes", processes_check, task.build_model, small, task.loss_fn, cfg)
     sharded = processes[1] if len(processes) > 1 else check("sharded steps", "warn", processes[0]["summary"])

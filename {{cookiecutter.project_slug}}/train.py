@@ -265,13 +265,16 @@ class Trainer:
         lr = lr_at(self.samples_seen, cfg, self.plan)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        scale = self.scaler.get_scale() if fp16 else None  # fp16 syncs anyway: GradScaler.step reads found_inf
+        # fp16's loss scale before and after the step, kept on the device: get_scale() would
+        # make the host wait for it, and nothing else here does (fused AdamW reads GradScaler's
+        # found_inf on the device to skip an overflowed step).
+        scale = loss_scale(self.scaler) if fp16 else None
         self.scaler.step(self.optimizer)  # fp16: skipped when the gradients overflowed
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.step_norm_and_scale = (norm, scale)
-        new_scale = self.scaler.get_scale() if fp16 else None
+        new_scale = loss_scale(self.scaler) if fp16 else None
         flags = self.checks.flags(self.stop.requested, self.loss_sum, norm, scale, new_scale)
         previous, self.pending = self.pending, (self.step, Agreement(flags, self.ctx.device))
         return self._act_on(previous)
@@ -333,6 +336,11 @@ class Trainer:
         # Left to the garbage collector at exit, their queues may be gone first, and each
         # worker would be waited for in vain, 5 s apiece.
         self.train_loader = self.val_loader = self.validator = None
+
+
+def loss_scale(scaler):
+    """GradScaler's current scale as a tensor on the device (a copy: update() changes it in place)."""
+    return scaler._get_scale_async().clone()
 
 
 def run(cfg, ctx):

@@ -132,19 +132,28 @@ def hook_advice(prediction):
     return nodes_line
 
 
-def verdict(comm_seconds, compute_seconds, world_size):
+# Per strategy: what a step communicates, and what to do when that dominates. Under fsdp
+# gradient accumulation saves nothing of it: the gradients are reduce-scattered on every
+# micro-step, and the parameters all-gathered in every forward.
+COMMUNICATION = {
+    "ddp": ("the gradient all-reduce", "Raise --batch_size or --grad_accum_steps, use a faster interconnect, or "
+            "compress gradients (--comm_hook)"),
+    "fsdp": ("FSDP's all-gathers and reduce-scatters", "Raise --batch_size, use a faster interconnect, or "
+             "--strategy ddp where the model fits one process"),
+}  # fmt: skip
+
+
+def verdict(comm_seconds, compute_seconds, world_size, strategy="ddp"):
+    communication, advice = COMMUNICATION[strategy]
     ratio = comm_seconds / compute_seconds
     summary = (
         f"per optimizer step: compute {1000 * compute_seconds:.2f} ms, plus {1000 * comm_seconds:.2f} ms "
-        f"for the gradient all-reduce ({ratio:.2f}x compute)"
+        f"for {communication} ({ratio:.2f}x compute)"
     )
     if world_size == 1:
         return summary + "; single process, nothing to all-reduce"
     if ratio < 0.5:
         return summary + ": compute-bound, adding processes should scale well"
     if ratio < 1:
-        return summary + ": communication is a large share; DDP overlaps it with backward, expect sub-linear scaling"
-    return summary + (
-        ": communication-bound, more nodes may train SLOWER than one. Raise --batch_size or "
-        "--grad_accum_steps, use a faster interconnect, or compress gradients"
-    )
+        return summary + ": communication is a large share; it overlaps with compute, expect sub-linear scaling"
+    return summary + f": communication-bound, more nodes may train SLOWER than one. {advice}"

@@ -147,13 +147,29 @@ def choose_device(local_rank, device="auto", environ=os.environ):
 
 
 def set_tf32(enabled):
-    """TF32 (Ampere and newer GPUs) for float32 matmuls and convolutions, or full float32, through
-    torch's `fp32_precision` settings. The legacy TF32 flags (torch.backends.*.allow_*) must not
-    be used beside them: torch refuses to read a mix of the two APIs (inductor reads the new one)."""
-    precision = "tf32" if enabled else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.conv.fp32_precision = precision
-    torch.backends.cudnn.rnn.fp32_precision = precision
+    """TF32 (Ampere and newer GPUs) for float32 matmuls and convolutions, or full float32.
+
+    Set through the legacy flags (torch.backends.*.allow_tf32), which torch mirrors into its
+    newer `fp32_precision` settings: both APIs then read the same value. Setting only the new
+    one would leave the old unreadable ("a mix of the legacy and new APIs"), and Inductor and
+    other libraries still read it. Returns what both now say (tf32_settings)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    return tf32_settings()
+
+
+def tf32_settings():
+    """Every TF32 setting by name, as each API reads it (the legacy flags, then the
+    `fp32_precision` settings); one that cannot be read raises."""
+    backends = torch.backends
+    return {
+        "cuda.matmul.allow_tf32": backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda.matmul.fp32_precision": backends.cuda.matmul.fp32_precision,
+        "cudnn.conv.fp32_precision": backends.cudnn.conv.fp32_precision,
+    }
 
 
 def setup_distributed(timeout_seconds=600, trace_dir=None, device="auto"):

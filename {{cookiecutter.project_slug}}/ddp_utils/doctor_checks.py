@@ -212,8 +212,8 @@ def gpu_sync_check(model, batch, loss_fn, cfg):
             loss = loss_fn(model(model_inputs(batch)), batch)
         loss.backward()
 
-    previous = torch.cuda.get_sync_debug_mode()
     try:
+        previous = torch.cuda.get_sync_debug_mode()  # CUDA's first use: a GPU that cannot start raises
         model, batch = copy.deepcopy(model).to(device).train(), to_device(batch, device)
         step()
         torch.cuda.synchronize()

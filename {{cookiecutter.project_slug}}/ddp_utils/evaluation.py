@@ -25,21 +25,29 @@ class Validator:
         Every rank calls it (it all-reduces) and gets the same metrics."""
         model = self.strategy.module  # not DDP's forward: nothing to synchronise in evaluation
         model.eval()
-        names, totals, samples = None, None, 0
+        names, on_device, on_host, samples = None, None, None, 0
         for batch, counted in validation_batches(self.loader, self.strategy.sharded, self.device):
             self.watchdog.beat("evaluation")
             batch = to_device(batch, self.device)
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 output = model(model_inputs(batch))
             sums = self.task.evaluation_sums(output, batch)
-            # A batch run only to keep the ranks' all-gathers in step counts nowhere.
-            values = torch.stack([torch.as_tensor(v, device=self.device).double() for v in sums.values()])
-            if totals is None:
-                names, totals = list(sums), torch.zeros_like(values)
-            if counted:
-                totals += values
-                samples += batch_size(batch)
-        totals = torch.cat([totals, torch.tensor([samples], dtype=torch.float64, device=self.device)])
+            if names is None:
+                names = list(sums)
+                on_device = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+                on_host = [0.0] * len(names)
+            if not counted:  # a batch run only to keep the ranks' all-gathers in step counts nowhere
+                continue
+            # Tensors on the device are summed there; Python numbers (and CPU tensors) on the host:
+            # a number turned into a device tensor would be a copy the host waits for, each batch.
+            for i, value in enumerate(sums.values()):
+                if isinstance(value, torch.Tensor) and value.device == self.device:
+                    on_device[i] += value.detach().double().reshape(())
+                else:
+                    on_host[i] += float(value)
+            samples += batch_size(batch)
+        host = torch.tensor([*on_host, samples], dtype=torch.float64).to(self.device)  # one copy
+        totals = torch.cat([on_device, on_device.new_zeros(1)]) + host
         dist.all_reduce(totals)  # sums and counts, not an average of per-rank averages
         model.train()
         *sums, samples = totals.tolist()

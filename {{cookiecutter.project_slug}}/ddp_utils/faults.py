@@ -152,18 +152,19 @@ class StepChecks:
     def flags(self, stop_requested, loss_sum, norm, scale, new_scale):
         """The step's flags and values, for dist.Agreement (which sums them over the ranks):
         `loss_sum` this rank's loss total, `norm` the gradients' (None when not measured),
-        `scale` and `new_scale` fp16's loss scale before and after the step."""
-        low_scale = too_many_skips = False
+        `scale` and `new_scale` fp16's loss scale before and after the step (tensors on the
+        device: compared there, read by the host only when the agreement is, a step later)."""
+        low_scale = skipped = False
         if self.fp16:
-            self.skipped_in_a_row = self.skipped_in_a_row + 1 if new_scale < scale else 0
-            low_scale = new_scale < self.cfg.min_loss_scale
-            too_many_skips = 0 < self.cfg.max_skipped_steps <= self.skipped_in_a_row
-        return stop_requested, loss_sum, 0.0 if norm is None else norm, low_scale, too_many_skips
+            low_scale, skipped = new_scale < self.cfg.min_loss_scale, new_scale < scale
+        return stop_requested, loss_sum, 0.0 if norm is None else norm, low_scale, skipped
 
     def decide(self, agreed, step, epoch):
         """Act on the agreed flags of optimizer step `step` (in 0-based `epoch`): raise for a
-        failure, else return whether all ranks agreed to stop."""
-        stops, loss_sum, norm, low_scales, too_many_skips = agreed  # flags count the ranks that raised them
+        failure, else return whether all ranks agreed to stop. Called once per step, in order."""
+        stops, loss_sum, norm, low_scales, skipped = agreed  # flags count the ranks that raised them
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        too_many_skips = 0 < self.cfg.max_skipped_steps <= self.skipped_in_a_row
         loss_not_finite, grads_not_finite = not math.isfinite(loss_sum), not math.isfinite(norm)
         where = f"at optimizer step {step} (epoch {epoch + 1})"
         fixes = "lower --lr or set --max_grad_norm" + (", or train with --amp bf16" if self.fp16 else "")

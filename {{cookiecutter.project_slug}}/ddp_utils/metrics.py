@@ -19,23 +19,37 @@ from .dist import HostCopy
 from .logs import log, rank_zero_only, report
 from .trackers import open_trackers
 
-# Dense peak TFLOPS of one GPU from the vendors' data sheets: bf16/fp16 tensor cores, TF32
-# tensor cores, and plain FP32 (amp none with --tf32 false). Matched in order by substring of
-# torch.cuda.get_device_name(), so the specific variants (NVL, PCIe) come before the family.
-# Set --peak_tflops for anything missing here.
-PEAK_TFLOPS = (
-    ("H200 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
-    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),  # SXM
-    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
-    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),  # SXM ("H100 80GB HBM3")
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),  # 40 and 80 GB, SXM and PCIe
-    ("L40S", {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
-    ("A10G", {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2}),
-    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
-    ("V100", {"bf16": 0.0, "fp16": 125.0, "tf32": 0.0, "fp32": 15.7}),
-    ("T4", {"bf16": 0.0, "fp16": 65.0, "tf32": 0.0, "fp32": 8.1}),
-)
+# Dense peak TFLOPS of one GPU (tensor cores without sparsity: half the sheets' sparse figures),
+# by the exact name torch.cuda.get_device_name() gives: bf16/fp16 tensor cores, TF32 tensor
+# cores, and plain FP32 (amp none with --tf32 false). Each from NVIDIA's data sheet for that
+# part. A name that is not here (a GPU without a data sheet, such as AWS's A10G, or a new one)
+# gets no MFU: set --peak_tflops.
+_H100_SXM = {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}  # H100 data sheet, SXM
+_H100_NVL = {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}  # H100 data sheet, NVL
+_A100 = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}  # A100 data sheet, SXM and PCIe alike
+_V100_SXM2 = {"bf16": 0.0, "fp16": 125.0, "tf32": 0.0, "fp32": 15.7}  # V100 data sheet: no bf16, no TF32
+_V100_PCIE = {"bf16": 0.0, "fp16": 112.0, "tf32": 0.0, "fp32": 14.0}
+PEAK_TFLOPS = {
+    "NVIDIA B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},  # HGX B200 data sheet, per GPU
+    "NVIDIA H200": _H100_SXM,  # H200 data sheet, SXM: the H100 SXM's tensor cores
+    "NVIDIA H200 NVL": _H100_NVL,  # H200 data sheet, NVL
+    "NVIDIA H100 80GB HBM3": _H100_SXM,
+    "NVIDIA H100 NVL": _H100_NVL,
+    "NVIDIA H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},  # H100 data sheet, PCIe
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},  # L40S data sheet
+    "NVIDIA L40": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5},  # L40 data sheet
+    "NVIDIA L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},  # L4 data sheet
+    "NVIDIA A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},  # A10 data sheet
+    "Tesla V100-SXM2-16GB": _V100_SXM2,
+    "Tesla V100-SXM2-32GB": _V100_SXM2,
+    "Tesla V100-PCIE-16GB": _V100_PCIE,
+    "Tesla V100-PCIE-32GB": _V100_PCIE,
+    "Tesla T4": {"bf16": 0.0, "fp16": 65.0, "tf32": 0.0, "fp32": 8.1},  # T4 data sheet
+}
 
 
 def peak_tflops(device_name, amp, tf32, override=0.0):
@@ -45,12 +59,12 @@ def peak_tflops(device_name, amp, tf32, override=0.0):
     """
     if override > 0:
         return override
-    for name, peaks in PEAK_TFLOPS:
-        if name in device_name:
-            if amp != "none":
-                return peaks[amp]
-            return peaks["tf32"] if tf32 and peaks["tf32"] else peaks["fp32"]
-    return 0.0
+    peaks = PEAK_TFLOPS.get(device_name.strip())
+    if peaks is None:
+        return 0.0
+    if amp != "none":
+        return peaks[amp]
+    return peaks["tf32"] if tf32 and peaks["tf32"] else peaks["fp32"]
 
 
 def flops_per_sample(cfg, task, batch):
@@ -195,14 +209,17 @@ class LossLog:
         self.reporter.step()
         self.flush()
         if self.due(step):
-            self.pending = (step, HostCopy(torch.stack([loss.float(), norm.float()])), lr, scale, samples_per_s)
+            # fp16's loss scale (a tensor on the device) in the same copy; else a stand-in.
+            values = [loss.float(), norm.float(), loss.new_zeros((), dtype=torch.float32) if scale is None else scale]
+            self.pending = (step, HostCopy(torch.stack(values)), lr, scale is not None, samples_per_s)
 
     def flush(self):
         """Print the line kept back, if any."""
         if self.pending is None:
             return
-        step, copy, lr, scale, samples_per_s = self.pending
-        loss_value, norm = copy.tolist()
+        step, copy, lr, fp16, samples_per_s = self.pending
+        loss_value, norm, scale = copy.tolist()
+        scale = scale if fp16 else None
         values = {"train_loss_step": loss_value, "lr": lr, "grad_norm": norm}
         if scale is not None:  # fp16: the loss scale that step used
             values["loss_scale"] = scale

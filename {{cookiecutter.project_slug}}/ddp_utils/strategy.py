@@ -35,10 +35,16 @@ from .knobs import ConfigError
 from .optim import clip_grad_norm
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
-# DDP's setting for sending rank 0's buffers before each forward: torch 2.13 renamed it (the old
-# name warns there); older releases know only broadcast_buffers.
-_DDP_SETTINGS = inspect.signature(DDP).parameters
-BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_SETTINGS else "broadcast_buffers"
+
+
+def buffer_sync_setting(ddp_settings):
+    """The name of DDP's setting for sending rank 0's buffers before each forward, among the
+    names of its settings: torch 2.13 renamed it (the old name warns there); older releases
+    know only broadcast_buffers."""
+    return "forward_sync_buffers" if "forward_sync_buffers" in ddp_settings else "broadcast_buffers"
+
+
+BUFFER_SYNC = buffer_sync_setting(inspect.signature(DDP).parameters)
 
 
 def build_strategy(cfg, ctx, build_model):
@@ -242,19 +248,22 @@ class FSDPStrategy:
         amp = AMP_DTYPES[cfg.amp]
         # bf16 parameters for compute; gradients reduced (and kept) in fp32.
         policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32 if amp else None)
+        from torch.distributed.device_mesh import init_device_mesh
+
         replicas = hsdp_replicas(cfg, ctx)
-        self.mesh = None  # one dimension: shard over every process, on the default group
+        # Always a mesh on the run's device: given none, fully_shard makes one on torch's
+        # accelerator (cuda wherever a GPU is visible, whatever --device says) and moves the
+        # parameters there while the group and the batches stay on the CPU.
+        # One dimension: shard over every process, on the default group.
+        self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         self.name = f"fsdp over {ctx.world_size} process(es)"
         if replicas > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
             # Rows of consecutive ranks (a node's processes, as torchrun numbers them) shard;
             # the columns, one rank from each row, replicate. The mesh makes a process group per
             # row and column: with --timeout_seconds, not torch's default (10 or 30 minutes).
             shape, names = (replicas, ctx.world_size // replicas), ("replicate", "shard")
-            group = group_settings(cfg.timeout_seconds)
             self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names,
-                                         backend_override=dict.fromkeys(names, group))  # fmt: skip
+                                         backend_override=mesh_group_settings(names, cfg.timeout_seconds))  # fmt: skip
             self.name = f"hsdp: {shape[0]} replicas, each sharded over {shape[1]} process(es)"
 
         def shard(unit):
@@ -279,14 +288,21 @@ class FSDPStrategy:
             self.stager = DefaultStager(options)
 
     def sync_gradients(self, sync):
-        """Reduce-scatter only on the last micro-step; until then each rank sums locally."""
-        self.model.set_requires_gradient_sync(sync)
+        """Gradients are reduce-scattered on every micro-step, so each rank only ever holds its
+        shard of their sum: left unreduced until the last micro-step, every rank would hold the
+        whole model's unsharded fp32 gradient, the memory fsdp is there to save. What
+        accumulation saves is the all-reduce between replicas (HSDP), sent on the last
+        micro-step only."""
+        if self.mesh.ndim > 1:
+            self.model.set_requires_all_reduce(sync)
         return contextlib.nullcontext()
 
     def clip_gradients(self, parameters, max_norm):
         # The gradients are shards (DTensors): the norm is reduced over all of them, and
-        # full_tensor() makes it a plain tensor, the same on every rank.
-        return clip_grad_norm(parameters, max_norm).full_tensor()
+        # full_tensor() makes it a plain tensor, the same on every rank. With no gradient at
+        # all, torch's norm is a plain zero already.
+        norm = clip_grad_norm(parameters, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def save(self, state, optimizer, checkpoint_dir, cfg):
         """Every rank writes its shards of the model and optimizer state in parallel (DCP);
@@ -335,9 +351,16 @@ def checkpoint_group(cfg):
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.checkpoint_timeout_seconds))
 
 
+def mesh_group_settings(names, timeout_seconds):
+    """{dimension: (backend, options)} for a device mesh's process groups, with the collective
+    timeout of the default group. Each dimension gets its own options object: making a group
+    may change the options it is given (NCCL's split does), which must not reach the next."""
+    return {name: group_settings(timeout_seconds) for name in names}
+
+
 def group_settings(timeout_seconds):
-    """(backend, options) for process groups made beside the default one (a device mesh's),
-    with the collective timeout of the default one."""
+    """(backend, options) for a process group made beside the default one, with the collective
+    timeout of the default one."""
     backend = dist.get_backend()
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout_seconds)

@@ -13,17 +13,36 @@ With MAX_RESTARTS > 0 a node whose workers stopped without a signal of its own r
 left: the status holds for jobs without restarts, what a scheduler that restarts jobs uses.
 """
 
+import inspect
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
 
+def shutdown_grace_for_older_torchrun(agent=LocalElasticAgent, processes=PContext, environ=os.environ):
+    """An older torchrun (2.11) has no --shutdown-timeout (PET_SHUTDOWN_TIMEOUT, which launch.sh sets):
+    after forwarding a signal it gives the workers 30 s, then kills them. There the workers
+    get PET_SHUTDOWN_TIMEOUT seconds all the same, as the default of the close that torchrun's
+    agent calls. Returns whether torchrun needed it."""
+    if "timeout" in inspect.signature(agent._shutdown).parameters or not environ.get("PET_SHUTDOWN_TIMEOUT"):
+        return False
+    grace, close = int(environ["PET_SHUTDOWN_TIMEOUT"]), processes.close
+
+    def close_with_grace(self, death_sig=None, timeout=grace):
+        return close(self, death_sig, timeout)
+
+    processes.close = close_with_grace
+    return True
+
+
 def main(argv):
+    shutdown_grace_for_older_torchrun()
     fd, path = tempfile.mkstemp(prefix="torchrun-stop-status-")
     os.close(fd)
     os.environ["STOP_STATUS_FILE"] = path  # the workers inherit it

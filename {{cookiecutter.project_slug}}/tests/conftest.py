@@ -78,6 +78,13 @@ def training_env(env=None):
     return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path, **(env or {})}
 
 
+def gpu_host(what="accelerator"):
+    """Environment for processes that answer as on a machine with a GPU (tests/sitecustomize.py):
+    `accelerator`, torch's accelerator query says cuda; `cuda_available`, the model's build
+    also sees CUDA available."""
+    return {"PYTHONPATH": str(PROJECT / "tests"), "FAKE_GPU_HOST": what}
+
+
 def run_training(
     output_dir, *args, nproc=1, probe=None, timeout=180, env=None, check=True, torchrun_args=(), tiny=True
 ):

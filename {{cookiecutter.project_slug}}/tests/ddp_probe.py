@@ -263,6 +263,56 @@ def record_grad_norms():
     return lambda: probe_print(grad_norms=norms)
 
 
+def record_gradient_memory():
+    """Print, over the micro-steps that do not end an optimizer step, the most gradient elements
+    this process held afterwards, in parameter shards' units: its gradients (under fsdp, their
+    local shards) and any unsharded gradient FSDP2 keeps aside to accumulate (1.0: a shard's
+    worth; 2.0 on 2 processes: the whole model's)."""
+    original = train.Trainer.train_step
+    held = []
+
+    def local(tensor):
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    def train_step(self, batch, sync):
+        loss = original(self, batch, sync)
+        if not sync:
+            grads = [local(p.grad) for p in self.parameters if p.grad is not None]
+            for module in self.model.modules():
+                if hasattr(module, "_get_fsdp_state"):  # an FSDP2 unit: what it accumulates unsharded
+                    for group in module._get_fsdp_state()._fsdp_param_groups:
+                        for param in group.fsdp_params:
+                            grads += [param.unsharded_accumulated_grad, getattr(param, "_unsharded_param", None)]
+                            grads[-1] = grads[-1].grad if grads[-1] is not None else None
+            elements = sum(grad.numel() for grad in grads if grad is not None)
+            held.append(elements / sum(local(p).numel() for p in self.parameters))
+        return loss
+
+    train.Trainer.train_step = train_step
+    return lambda: probe_print(gradient_memory=max(held, default=None))
+
+
+def count_scale_reads():
+    """Print how many times an optimizer step read fp16's loss scale to the host
+    (GradScaler.get_scale, a wait for the GPU each time)."""
+    original_step, original_get_scale = train.Trainer.optimizer_step, torch.amp.GradScaler.get_scale
+    reads, inside = [0], [False]
+
+    def optimizer_step(self):
+        inside[0] = True
+        try:
+            return original_step(self)
+        finally:
+            inside[0] = False
+
+    def get_scale(self):
+        reads[0] += inside[0]
+        return original_get_scale(self)
+
+    train.Trainer.optimizer_step, torch.amp.GradScaler.get_scale = optimizer_step, get_scale
+    return lambda: probe_print(scale_reads_in_steps=reads[0])
+
+
 def slow():
     """Sleep 50 ms per micro-step, so a test can signal or kill processes mid-run."""
     original = train.Trainer.train_step
@@ -382,7 +432,7 @@ def record_mesh():
     def resume(self):
         mesh = self.strategy.mesh
         groups = {}
-        for name in mesh.mesh_dim_names if mesh is not None else ():
+        for name in mesh.mesh_dim_names or ():  # named dimensions: HSDP's
             group = mesh.get_group(name)
             timeout = group._get_backend(self.ctx.device).options._timeout
             groups[name] = {"ranks": torch.distributed.get_process_group_ranks(group), "timeout_s": timeout.seconds}
@@ -494,7 +544,7 @@ PROBES = {
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_checkpoint_write)
     + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
-    + (bad_samples, late_rank0)
+    + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads)
 }
 
 if __name__ == "__main__":

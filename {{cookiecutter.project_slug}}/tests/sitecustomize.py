@@ -8,10 +8,38 @@ Python imports `sitecustomize` at start-up from any folder on PYTHONPATH, so a t
 and each worker (torchrun sets LOCAL_RANK; torchrun itself has none) installs the probe before
 train.py runs. Probes used this way patch torch or the task's functions, not train.py's classes: train.py runs as
 __main__, not as the `train` module the probe imports (model.py and ddp_utils/contract.py are shared).
+
+It also makes every Python process of a test answer as on a machine with a GPU, which this
+CPU machine is not (the GPU host's code paths, whatever the process: torchrun's workers, the
+doctor's 2 processes):
+
+    PYTHONPATH=tests FAKE_GPU_HOST=accelerator ...     torch's accelerator query says cuda
+    PYTHONPATH=tests FAKE_GPU_HOST=cuda_available ...  and, to the task's build_model(cfg),
+                                                        torch.cuda.is_available() is True
+
+Nothing can run on that GPU: code that tries fails as torch without CUDA does. (Only the
+model's build is told CUDA works: everything else that asks would go on to use it and fail.)
 """
 
 import os
 import sys
+
+if os.environ.get("FAKE_GPU_HOST") in ("accelerator", "cuda_available"):
+    import torch
+
+    torch._C._get_accelerator = lambda: torch.device("cuda")  # what FSDP2 and DeviceMesh consult
+    if os.environ["FAKE_GPU_HOST"] == "cuda_available":
+        cuda_is_available = torch.cuda.is_available
+
+        def is_available():
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code.co_name == "build_model":
+                    return True
+                frame = frame.f_back
+            return cuda_is_available()
+
+        torch.cuda.is_available = is_available
 
 if os.environ.get("DDP_PROBE") and "LOCAL_RANK" in os.environ:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -2,7 +2,9 @@
 
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -141,21 +143,23 @@ def test_preflight_reports_gpus_asked_for_without_cuda():
     assert "PROBLEM: GPUs were asked for (CUDA_VISIBLE_DEVICES=0,1) but CUDA is unavailable" in result.stdout
 
 
-def test_tf32_is_set_through_torchs_fp32_precision_api_only():
-    """--tf32 sets torch's fp32_precision for CUDA matmuls and convolutions, and nothing in the
-    project uses the legacy allow_tf32 flags, which torch refuses to read beside the new API.
-    (A fresh process: the settings are global.)"""
+def test_tf32_leaves_both_of_torchs_apis_readable_and_agreeing():
+    """--tf32 on or off: torch's legacy flags (allow_tf32, the float32 matmul precision) and,
+    where torch has it, its fp32_precision API read the same setting, and neither raises (torch
+    refuses to read the legacy flags once only the new API was set; Inductor, cuDNN and other
+    libraries read them). A fresh process: the settings are global."""
     check = (
         "import torch\nfrom ddp_utils.dist import set_tf32\n"
-        "for enabled, precision in ((True, 'tf32'), (False, 'ieee')):\n"
+        "for enabled in (True, False, True):\n"
         "    set_tf32(enabled)\n"
-        "    assert torch.backends.cuda.matmul.fp32_precision == precision\n"
-        "    assert torch.backends.cudnn.conv.fp32_precision == precision\n"
+        "    assert torch.backends.cuda.matmul.allow_tf32 is enabled\n"
+        "    assert torch.backends.cudnn.allow_tf32 is enabled\n"
+        "    assert torch.get_float32_matmul_precision() == ('high' if enabled else 'highest')\n"
+        "    assert (torch.backends.cuda.matmul.fp32_precision == 'tf32') is enabled\n"
+        "    assert (torch.backends.cudnn.conv.fp32_precision == 'tf32') is enabled\n"
     )
     result = subprocess.run([sys.executable, "-c", check], cwd=PROJECT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    legacy = [str(p) for p in PROJECT.rglob("*.py") if "allow_tf32" in p.read_text() and p.name != "test_diagnosis.py"]
-    assert legacy == []
 
 
 def test_slurm_job_ports_stay_below_the_ephemeral_range():
@@ -167,13 +171,45 @@ def test_slurm_job_ports_stay_below_the_ephemeral_range():
 
 
 def test_preflight_on_one_machine_prints_table_and_verdict():
+    """Under --strategy fsdp (ddp's preflight runs across two hosts: cluster/test_multinode.py).
+    FSDP communicates all through a step (DDP's no_sync leaves nothing out of it), so each
+    process times the compute alone first, in a process group of its own."""
     env = training_env({"NPROC_PER_NODE": "2", "NNODES": "1", "MASTER_ADDR": "", "PREFLIGHT_MAX_MB": "4"})
-    result = subprocess.run(["scripts/launch.sh", "--preflight", *TINY], cwd=PROJECT, env=env,
+    result = subprocess.run(["scripts/launch.sh", "--preflight", *TINY, "--strategy", "fsdp"], cwd=PROJECT, env=env,
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all-reduce of 2 ranks correct" in result.stdout
     assert "    1 MB" in result.stdout and "    4 MB" in result.stdout and "16 MB" not in result.stdout
-    assert "verdict: per optimizer step: compute" in result.stdout
+    for rank in (0, 1):
+        assert f"preflight [rank {rank}] compute alone (fsdp over this process only): " in result.stdout
+    verdict = result.stdout.split("verdict: ", 1)[1]
+    assert verdict.startswith("per optimizer step: compute") and "FSDP's all-gathers and reduce-scatters" in verdict
+
+
+def test_the_preflight_names_processes_that_share_one_gpu():
+    """NCCL refuses two processes on one GPU only as the group forms ("Duplicate GPU
+    detected"): a node where every process sees the same single GPU (CUDA_VISIBLE_DEVICES=0 for
+    all) gets that far. The processes of a node first tell each other their GPU through the
+    store (here two threads, one store), and the preflight names the fix."""
+    store, seen = torch.distributed.HashStore(), {}
+
+    def report(local_rank, gpu):
+        seen[local_rank] = preflight.node_gpus(store, "node0", local_rank, 2, gpu, timedelta(seconds=30))
+
+    threads = [threading.Thread(target=report, args=(rank, "NVIDIA H100 GPU-a1")) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert seen == {0: {0: "NVIDIA H100 GPU-a1", 1: "NVIDIA H100 GPU-a1"}, 1: seen[0]}
+    problem = preflight.shared_gpu_problem(seen[0], "node0")
+    assert problem.startswith("local ranks 0 and 1 on node0 would all train on one GPU, NVIDIA H100 GPU-a1")
+    fix = "Set NPROC_PER_NODE=1, or show each process its own GPU (CUDA_VISIBLE_DEVICES)"
+    assert problem.endswith(f"(NCCL stops with 'Duplicate GPU detected'): 2 processes for 1 GPU(s). {fix}")
+    # A wrapper that gives each process its own CUDA_VISIBLE_DEVICES, and one of them twice.
+    problem = preflight.shared_gpu_problem({0: "GPU-a", 1: "GPU-b", 2: "GPU-a"}, "node1")
+    assert problem.startswith("local ranks 0 and 2 on node1 would all train on one GPU, GPU-a ") and "=2," in problem
+    assert preflight.shared_gpu_problem({0: "GPU-a", 1: "GPU-b"}, "node0") is None
 
 
 def test_bus_bandwidth_follows_nccl_tests():

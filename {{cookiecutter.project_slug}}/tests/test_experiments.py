@@ -136,9 +136,9 @@ def tracked(tmp_path_factory):
     root = tmp_path_factory.mktemp("tracked")
     output_dir = root / "run"
     env = {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
-    first = run_training(output_dir, *TRACKED, "--max_steps", "6", nproc=2, env=env)
+    first = run_training(output_dir, *TRACKED, "--max_steps", "6", nproc=2, env=env, probe="count_scale_reads")
     ids = json.loads((output_dir / "trackers.json").read_text())
-    second = run_training(output_dir, *TRACKED, "--max_steps", "10", nproc=2, env=env)
+    second = run_training(output_dir, *TRACKED, "--max_steps", "10", nproc=2, env=env, probe="count_scale_reads")
     assert "resumed from" in second.stdout
     return output_dir, env["MLFLOW_TRACKING_URI"], ids, first.stdout + second.stdout
 
@@ -244,6 +244,8 @@ def test_log_steps_show_gradient_norm_and_fp16_loss_scale(tracked):
         words = line.split()
         norm, scale = float(words[words.index("grad_norm") + 1]), float(words[words.index("loss_scale") + 1])
         assert 0 < norm < 100 and scale == 65536.0  # fp16's first scale, no overflow in 10 steps
+    # Logged without the host reading the scale in a step: on a GPU each read waits for it.
+    assert stdout.count('PROBE {"scale_reads_in_steps": 0}') == 2, stdout
 
 
 def test_profile_traces_the_asked_steps_from_rank_zero_across_a_resume(tracked):

@@ -3,6 +3,7 @@ that resume exactly after SIGTERM and on another world size, past a damaged shar
 one-file export for sample.py, predict.py and sharing."""
 
 import contextlib
+import copy
 import functools
 import json
 import shutil
@@ -18,6 +19,7 @@ from conftest import (
     PROJECT,
     TINY,
     assert_same_metrics,
+    gpu_host,
     kill_tree,
     probe_output,
     read_metrics,
@@ -35,7 +37,7 @@ from ddp_utils.checkpoint_files import check_sharded_checkpoint
 from ddp_utils.contract import load_task, model_inputs
 from ddp_utils.dist import DistContext
 from ddp_utils.knobs import ConfigError
-from ddp_utils.strategy import build_module, hsdp_replicas
+from ddp_utils.strategy import build_module, hsdp_replicas, mesh_group_settings
 
 pytestmark = pytest.mark.fixed_amp  # comparisons need --amp none
 
@@ -97,9 +99,12 @@ class Runs:
 
     @functools.cached_property
     def fsdp(self):
+        """On a machine whose torch has a GPU for its accelerator, told to train on the CPU:
+        FSDP2's mesh, parameters and inputs must stay where --device says."""
         output_dir = self.tmp_path_factory.mktemp("fsdp")
-        probes = "record_initial_weights,record_grad_norms"
-        return output_dir, run_training(output_dir, *ARGS, *TWO, *FSDP, nproc=2, probe=probes)
+        probes = "record_initial_weights,record_grad_norms,record_gradient_memory"
+        return output_dir, run_training(output_dir, *ARGS, *TWO, *FSDP, "--device", "cpu", nproc=2, probe=probes,
+                                        env=gpu_host())  # fmt: skip
 
     @functools.cached_property
     def hsdp(self):
@@ -150,6 +155,13 @@ def test_fsdp_trains_the_same_parameters_as_ddp(runs):
     for a, b in zip(fsdp_norms["grad_norms"], ddp_norms["grad_norms"]):
         assert abs(a - b) <= 1e-4 * b
     assert read_metrics(fsdp_dir)[-1]["val_loss"] == pytest.approx(read_metrics(ddp_dir)[-1]["val_loss"], rel=1e-4)
+
+
+def test_fsdp_accumulates_gradients_as_shards(runs):
+    """Between the micro-steps of an optimizer step each process holds its shard of the
+    gradients, not the whole model's unsharded gradient (the memory fsdp is chosen to save)."""
+    (held,) = [line["gradient_memory"] for line in probe_output(runs.fsdp[1]) if "gradient_memory" in line]
+    assert held is not None and held <= 1.0, f"{held:.2f} parameter shards' worth of gradient held"
 
 
 def test_fsdp_holds_half_the_model_state_per_process(runs):
@@ -354,3 +366,54 @@ def test_one_replica_per_node_by_default():
     assert replicas(16, 8, replicate_degree=4) == 4
     with pytest.raises(ConfigError, match="--replicate_degree 3 does not divide the 16 processes"):
         replicas(16, 8, replicate_degree=3)
+
+
+def test_each_mesh_dimension_gets_its_own_group_options():
+    """Making a process group may change the options object it is given (NCCL's split does):
+    HSDP's two dimensions each get their own, with --timeout_seconds."""
+    made_here = not torch.distributed.is_initialized()
+    if made_here:
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        settings = mesh_group_settings(("replicate", "shard"), 77)
+    finally:
+        if made_here:
+            torch.distributed.destroy_process_group()
+    (_, replicate), (_, shard) = settings["replicate"], settings["shard"]
+    assert replicate is not shard
+    assert replicate._timeout.total_seconds() == shard._timeout.total_seconds() == 77
+
+
+def test_clipping_sharded_gradients_takes_torchs_foreach_kernels(monkeypatch):
+    """FSDP's gradients are DTensors: the clip still takes torch's foreach kernels (one kernel
+    for every gradient's norm on a GPU, not one per tensor: torch.distributed.tensor registers
+    DTensor as a foreach type), and gives the same norm and gradients as the plain model's."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ddp_utils.optim import clip_grad_norm
+
+    made_here = not torch.distributed.is_initialized()
+    if made_here:
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        sharded = copy.deepcopy(plain)
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+        for module in (*sharded, sharded):
+            fully_shard(module, mesh=mesh)
+        x = torch.randn(4, 8)
+        for model in (plain, sharded):
+            model(x).square().sum().backward()
+        calls = []
+        foreach_norm = torch._foreach_norm
+        monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or foreach_norm(*a, **k))
+        norm = clip_grad_norm(list(sharded.parameters()), 0.1)
+        assert calls, "a norm per gradient, in Python"
+        expected = torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 0.1, foreach=False)
+        assert torch.allclose(norm.full_tensor(), expected)
+        for ours, theirs in zip(sharded.parameters(), plain.parameters()):
+            assert torch.allclose(ours.grad.full_tensor(), theirs.grad)
+    finally:
+        if made_here:
+            torch.distributed.destroy_process_group()

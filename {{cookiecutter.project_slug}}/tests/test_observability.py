@@ -44,6 +44,11 @@ def test_mfu_arithmetic():
         ("NVIDIA A100-SXM4-80GB", "none", False, 19.5),  # plain FP32
         ("NVIDIA H100 80GB HBM3", "none", False, 67.0),
         ("Tesla V100-SXM2-16GB", "none", True, 15.7),  # no TF32 on Volta
+        ("NVIDIA L40", "bf16", True, 181.0),  # not the L4 its name begins with
+        ("NVIDIA L4", "bf16", True, 121.0),
+        ("NVIDIA B200", "bf16", True, 2250.0),
+        ("NVIDIA A10G", "bf16", True, 0.0),  # no data sheet: --peak_tflops
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16", True, 0.0),  # a slice of a GPU: not the whole one's peak
         ("Mystery GPU", "bf16", True, 0.0),
     ],
 )

@@ -1,9 +1,11 @@
 """Real runs of train.py: 2 processes under torchrun (gloo on CPU), and plain `python train.py`."""
 
 import dataclasses
+import inspect
 import json
 import math
 import re
+import sys
 
 import pytest
 import task
@@ -11,6 +13,7 @@ import torch
 from conftest import LR, PROJECT, TINY_CONFIG, config_flags, flag_text, load_final_model, read_metrics, run_training
 
 from config import Config
+from ddp_utils import strategy
 from ddp_utils.checkpoint import same_optimizer_implementation
 from ddp_utils.optim import clip_grad_norm
 from model import build_model
@@ -181,3 +184,43 @@ def test_readme_config_table_matches_config():
         meaning = field.metadata["help"] + (f"; one of: {', '.join(choices)}" if choices else "")
         expected[field.name] = (default, meaning)
     assert table == expected
+
+
+def test_ddps_buffer_setting_is_the_name_each_supported_torch_knows():
+    """torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns);
+    the project's oldest torch knows only the old one."""
+    assert strategy.buffer_sync_setting({"broadcast_buffers": None}) == "broadcast_buffers"
+    both = {"broadcast_buffers": None, "forward_sync_buffers": None}
+    assert strategy.buffer_sync_setting(both) == "forward_sync_buffers"
+    assert strategy.BUFFER_SYNC in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+
+
+def test_older_torchrun_gives_the_workers_launch_shs_stop_grace():
+    """torchrun 2.11 has no --shutdown-timeout: scripts/torchrun_status.py gives the workers
+    PET_SHUTDOWN_TIMEOUT seconds through the close its agent calls; a torchrun with the flag is
+    left as it is."""
+    sys.path.insert(0, str(PROJECT / "scripts"))
+    try:
+        import torchrun_status
+    finally:
+        sys.path.remove(str(PROJECT / "scripts"))
+
+    class Processes:
+        def close(self, death_sig=None, timeout=30):
+            return death_sig, timeout
+
+    class OlderAgent:  # torch 2.11's LocalElasticAgent._shutdown
+        def _shutdown(self, death_sig=None):
+            pass
+
+    class NewerAgent:
+        def _shutdown(self, death_sig=None, timeout=30):
+            pass
+
+    environ = {"PET_SHUTDOWN_TIMEOUT": "77"}
+    assert not torchrun_status.shutdown_grace_for_older_torchrun(NewerAgent, Processes, environ)
+    assert Processes().close("SIGTERM") == ("SIGTERM", 30)
+    assert not torchrun_status.shutdown_grace_for_older_torchrun(OlderAgent, Processes, {})
+    assert torchrun_status.shutdown_grace_for_older_torchrun(OlderAgent, Processes, environ)
+    assert Processes().close("SIGTERM") == ("SIGTERM", 77)
+    assert Processes().close("SIGTERM", 5) == ("SIGTERM", 5)

@@ -116,9 +116,9 @@ def assert_shm_and_checkpoints(pod, container, args):
     assert "ReadWriteMany" in manifest("pvc.yaml")["spec"]["accessModes"]
 
 
-def test_dockerfile_has_a_slim_base_torch_for_one_cuda_the_rdma_libraries_and_the_project():
+def test_dockerfile_has_a_slim_base_torch_for_one_cuda_the_rdma_libraries_a_compiler_and_the_project():
     """The torch wheel brings its CUDA libraries: a slim base, and torch from PyTorch's index of
-    the CUDA version the build argument names."""
+    the CUDA version the build argument names; the C compiler torch.compile needs."""
     text = (PROJECT / "Dockerfile").read_text()
     (base,) = re.findall(r"^FROM (\S+)", text, re.MULTILINE)
     assert base.startswith("python:") and "slim" in base, base
@@ -129,6 +129,8 @@ def test_dockerfile_has_a_slim_base_torch_for_one_cuda_the_rdma_libraries_and_th
     assert "--index-url https://download.pytorch.org/whl/${CUDA}" in install, (install, cuda)
     (apt,) = [line for line in text.splitlines() if "apt-get install" in line]
     assert {"iproute2", "libibverbs1", "ibverbs-providers", "librdmacm1"} <= set(apt.split())
+    # --compile: Triton compiles its kernel launchers with a C compiler at run time.
+    assert {"gcc", "libc6-dev"} <= set(apt.split())
     assert "COPY . ." in text and "pip install --no-cache-dir .\n" in text
     assert trainjob()["spec"]["trainer"]["command"] == ["scripts/launch.sh"]
 
