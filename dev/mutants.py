@@ -794,6 +794,14 @@ MUTANTS = [
         ("tests/test_train.py::test_older_torchrun_gives_the_workers_launch_shs_stop_grace",),
     ),
     Mutant(
+        "single_use_stager_reused",
+        "under torch 2.11 one DCP stager for every asynchronous save: the second save raises KeyError",
+        "ddp_utils/strategy.py",
+        '        return "self._state_dict_stager.close()" not in inspect.getsource(stager_class._stage)\n',
+        "        return True\n",
+        (f"{FSDP}::test_a_stager_that_stages_once_is_told_apart",),
+    ),
+    Mutant(
         "fp16_scale_read_to_the_host",
         "fp16's loss scale read to the host twice every optimizer step (GradScaler.get_scale)",
         "train.py",

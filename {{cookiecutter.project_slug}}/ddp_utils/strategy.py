@@ -16,6 +16,7 @@ one loop. The weights start the same under both, as the model's own code makes t
 
 import contextlib
 import copy
+import functools
 import inspect
 import zlib
 from collections import Counter
@@ -286,6 +287,8 @@ class FSDPStrategy:
             options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                                      use_non_blocking_copy=False)  # fmt: skip
             self.stager = DefaultStager(options)
+            # torch 2.11's stager stages once: a new one for each save there.
+            self.new_stager = None if stager_reusable(DefaultStager) else functools.partial(DefaultStager, options)
 
     def sync_gradients(self, sync):
         """Gradients are reduce-scattered on every micro-step, so each rank only ever holds its
@@ -310,6 +313,9 @@ class FSDPStrategy:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self.wait_for_checkpoint()
+        if self.stager is not None and self.new_stager is not None:
+            self.stager.close()  # the save it staged for is complete
+            self.stager = self.new_stager()
         model_state, optimizer_state = get_state_dict(self.model, optimizer)
         self.pending = save_sharded_checkpoint(
             self.ctx, {"model": model_state, "optimizer": optimizer_state}, state, checkpoint_dir,
@@ -333,6 +339,16 @@ class FSDPStrategy:
         if "model" in state:
             raise CheckpointError(f"checkpoint {path} is one file (--strategy ddp): resume it with --strategy ddp")
         read_sharded_state(self.model, optimizer, path, self.checkpoint_group)
+
+
+def stager_reusable(stager_class):
+    """Whether one DCP stager can stage save after save, into the same buffers. torch 2.11's
+    DefaultStager cannot: its stage ends by closing its state-dict stager, which empties the
+    cache the next stage reads (KeyError); newer releases keep it."""
+    try:
+        return "self._state_dict_stager.close()" not in inspect.getsource(stager_class._stage)
+    except (OSError, TypeError):  # no source to read: a new stager for each save is safe anyway
+        return False
 
 
 def hsdp_replicas(cfg, ctx):

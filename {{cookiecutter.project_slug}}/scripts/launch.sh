@@ -69,10 +69,11 @@ else
 fi
 
 # torchrun forwards these signals to every worker, which then checkpoint and exit: SIGTERM
-# (schedulers, Kubernetes) and SIGUSR1 (SLURM's --signal). Older torchrun ignores the variable.
+# (schedulers, Kubernetes) and SIGUSR1 (SLURM's --signal).
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 # After forwarding a signal torchrun waits this long for the workers, then kills them (its own
 # default is 30 s): the stop grace less 10 s for torchrun, srun and a SLURM requeue to finish.
+# torchrun 2.11 has no such setting: scripts/torchrun_status.py gives it the same wait.
 export PET_SHUTDOWN_TIMEOUT=$(( STOP_GRACE_SECONDS > 20 ? STOP_GRACE_SECONDS - 10 : STOP_GRACE_SECONDS ))
 # NCCL: keep PyTorch's own error handling (3: a failed or timed-out collective ends the
 # process, without the extra abort that mode 1, torchrun's default for workers, adds).

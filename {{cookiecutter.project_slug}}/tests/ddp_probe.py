@@ -280,7 +280,10 @@ def record_gradient_memory():
             grads = [local(p.grad) for p in self.parameters if p.grad is not None]
             for module in self.model.modules():
                 if hasattr(module, "_get_fsdp_state"):  # an FSDP2 unit: what it accumulates unsharded
-                    for group in module._get_fsdp_state()._fsdp_param_groups:
+                    state = module._get_fsdp_state()
+                    # torch 2.11 keeps one parameter group, later releases a list
+                    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+                    for group in filter(None, groups):
                         for param in group.fsdp_params:
                             grads += [param.unsharded_accumulated_grad, getattr(param, "_unsharded_param", None)]
                             grads[-1] = grads[-1].grad if grads[-1] is not None else None
