@@ -371,23 +371,24 @@ def test_one_replica_per_node_by_default():
         replicas(16, 8, replicate_degree=3)
 
 
-def test_each_mesh_dimension_gets_its_own_group_options():
+@pytest.fixture
+def group_of_one():
+    """This process as a gloo process group of one, for the test (in-memory store)."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_each_mesh_dimension_gets_its_own_group_options(group_of_one):
     """Making a process group may change the options object it is given (NCCL's split does):
     HSDP's two dimensions each get their own, with --timeout_seconds."""
-    made_here = not torch.distributed.is_initialized()
-    if made_here:
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        settings = mesh_group_settings(("replicate", "shard"), 77)
-    finally:
-        if made_here:
-            torch.distributed.destroy_process_group()
+    settings = mesh_group_settings(("replicate", "shard"), 77)
     (_, replicate), (_, shard) = settings["replicate"], settings["shard"]
     assert replicate is not shard
     assert replicate._timeout.total_seconds() == shard._timeout.total_seconds() == 77
 
 
-def test_clipping_sharded_gradients_takes_torchs_foreach_kernels(monkeypatch):
+def test_clipping_sharded_gradients_takes_torchs_foreach_kernels(monkeypatch, group_of_one):
     """FSDP's gradients are DTensors: the clip still takes torch's foreach kernels (one kernel
     for every gradient's norm on a GPU, not one per tensor: torch.distributed.tensor registers
     DTensor as a foreach type), and gives the same norm and gradients as the plain model's."""
@@ -395,31 +396,24 @@ def test_clipping_sharded_gradients_takes_torchs_foreach_kernels(monkeypatch):
 
     from ddp_utils.optim import clip_grad_norm
 
-    made_here = not torch.distributed.is_initialized()
-    if made_here:
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-        sharded = copy.deepcopy(plain)
-        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
-        for module in (*sharded, sharded):
-            fully_shard(module, mesh=mesh)
-        x = torch.randn(4, 8)
-        for model in (plain, sharded):
-            model(x).square().sum().backward()
-        calls = []
-        foreach_norm = torch._foreach_norm
-        monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or foreach_norm(*a, **k))
-        norm = clip_grad_norm(list(sharded.parameters()), 0.1)
-        assert calls, "a norm per gradient, in Python"
-        expected = torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 0.1, foreach=False)
-        assert torch.allclose(norm.full_tensor(), expected)
-        for ours, theirs in zip(sharded.parameters(), plain.parameters()):
-            assert torch.allclose(ours.grad.full_tensor(), theirs.grad)
-    finally:
-        if made_here:
-            torch.distributed.destroy_process_group()
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    sharded = copy.deepcopy(plain)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+    for module in (*sharded, sharded):
+        fully_shard(module, mesh=mesh)
+    x = torch.randn(4, 8)
+    for net in (plain, sharded):
+        net(x).square().sum().backward()
+    calls = []
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or foreach_norm(*a, **k))
+    norm = clip_grad_norm(list(sharded.parameters()), 0.1)
+    assert calls, "a norm per gradient, in Python"
+    expected = torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 0.1, foreach=False)
+    assert torch.allclose(norm.full_tensor(), expected)
+    for ours, theirs in zip(sharded.parameters(), plain.parameters()):
+        assert torch.allclose(ours.grad.full_tensor(), theirs.grad)
 
 
 def test_a_stager_that_stages_once_is_told_apart():
