@@ -264,9 +264,11 @@ check_3() {
 import sys, traceback, warnings
 import torch
 sys.path.insert(0, ".")
-import train
+from ddp_utils import run
+from ddp_utils.trainer import Trainer
+from task import TASK
 
-train_step, settle, evaluate = train.Trainer.train_step, train.Trainer.settle, train.Trainer.evaluate
+train_step, read_agreement, evaluate = Trainer.train_step, Trainer.read_agreement, Trainer.evaluate
 checked, evaluations = [], []
 
 def checked_train_step(self, *args, **kwargs):
@@ -275,9 +277,9 @@ def checked_train_step(self, *args, **kwargs):
         checked.append(self.step)
     return train_step(self, *args, **kwargs)
 
-def unchecked_settle(self):
-    torch.cuda.set_sync_debug_mode(0)  # the epoch's end: checkpoints may sync
-    return settle(self)
+def unchecked_read_agreement(self):
+    torch.cuda.set_sync_debug_mode(0)  # the epoch's end or a checkpoint: they may sync
+    return read_agreement(self)
 
 def checked_evaluate(self):
     forwards, syncs = [0], []
@@ -298,8 +300,8 @@ def checked_evaluate(self):
             hook.remove()
             evaluations.append((forwards[0], syncs))
 
-train.Trainer.train_step, train.Trainer.settle, train.Trainer.evaluate = checked_train_step, unchecked_settle, checked_evaluate
-code = train.main(sys.argv[1:])
+Trainer.train_step, Trainer.read_agreement, Trainer.evaluate = checked_train_step, unchecked_read_agreement, checked_evaluate
+code = run.main(TASK, sys.argv[1:])
 print(f"SYNC_CHECKED_STEPS {len(set(checked))}")
 for batches, syncs in evaluations:
     between = [where for done, where in syncs if 1 <= done < batches]
@@ -491,8 +493,8 @@ check_10() {
         (cd "$language" && "$python" - "${GPT[@]}" --output_dir "$runs/adamw_$fused" "$fused" >"$runs/adamw_$fused.log" 2>&1 <<'PY'
 import sys
 sys.path.insert(0, ".")
-from ddp_utils import optim
-import train
+from ddp_utils import optim, run, trainer
+from task import TASK
 
 fused = sys.argv.pop() == "true"
 build = optim.build_optimizer
@@ -504,8 +506,8 @@ def build_optimizer(model, cfg, device):
         group["foreach"] = None if fused else True
     return optimizer
 
-train.build_optimizer = build_optimizer
-sys.exit(train.main(sys.argv[1:]))
+trainer.build_optimizer = build_optimizer  # the name the Trainer calls
+sys.exit(run.main(TASK, sys.argv[1:]))
 PY
         ) || true
     done
@@ -674,8 +676,9 @@ check_17() {
 import sys
 import torch
 sys.path.insert(0, ".")
-import train
+from ddp_utils import run
 from ddp_utils.dist import set_tf32
+from task import TASK
 
 def readings():
     values = {}
@@ -688,7 +691,7 @@ def readings():
             values[name] = f"raises {type(error).__name__}: {str(error).splitlines()[0][:80]}"
     return values
 
-code = train.main(sys.argv[1:])
+code = run.main(TASK, sys.argv[1:])
 after_run = readings()
 ok_on = after_run["get_float32_matmul_precision()"] in ("high", "medium") and after_run["cuda.matmul.allow_tf32"] is True
 set_tf32(False)
@@ -728,9 +731,11 @@ check_18() {
 import sys
 import torch
 sys.path.insert(0, ".")
-import train
+from ddp_utils import run
+from ddp_utils.trainer import Trainer
+from task import TASK
 
-train_step, seen = train.Trainer.train_step, []
+train_step, seen = Trainer.train_step, []
 
 def inspected_train_step(self, batch, sync):
     loss = train_step(self, batch, sync)
@@ -739,8 +744,8 @@ def inspected_train_step(self, batch, sync):
         seen.append((sum(p.grad is not None for p in trained), len(trained), torch.cuda.memory_allocated() / 2**20))
     return loss
 
-train.Trainer.train_step = inspected_train_step
-code = train.main(sys.argv[1:])
+Trainer.train_step = inspected_train_step
+code = run.main(TASK, sys.argv[1:])
 if seen:
     held, total, allocated = seen[0]
     print(f"ACCUM_GRADS {held} {total} {allocated:.0f}")

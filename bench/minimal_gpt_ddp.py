@@ -44,7 +44,7 @@ torch.manual_seed(args.seed)
 data = TokenWindows(Path(args.data_dir) / "train.bin", args.block_size, args.train_samples, seed=args.seed)
 sampler = DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=True)
 loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-config = SimpleNamespace(vocab_size=256, dropout=0.0, activation_checkpointing=False, **vars(args))
+config = SimpleNamespace(vocab_size=256, dropout=0.0, gelu="exact", activation_checkpointing=False, **vars(args))
 model = DDP(GPT(config), gradient_as_bucket_view=args.bucket_views)
 optimizer = torch.optim.AdamW(
     model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=args.fused_adamw or None

@@ -4,7 +4,7 @@ the preflight's prediction beside it. Needs root (two network-namespace hosts, t
     bash dev/bench.sh --network                 # unlimited, 1gbit, 100mbit, 20mbit x none, bf16, powersgd
     bash dev/bench.sh --network --rates 20mbit --hooks none
 
-Bakes the default (language) project and trains the GPT of its network tests (tests/task.py
+Bakes the default (language) project and trains the GPT of its network tests (tests/task_settings.py
 NETWORK_ARGS; amp none, gloo, OMP_NUM_THREADS=1) with the generated scripts/launch.sh: 1 host
 x 1 process once, then per rate the preflight (`--preflight --json`, which predicts every hook
 at once) and 2 hosts x 1 process per hook. Each run trains 24 steps and is timed over its
@@ -82,14 +82,14 @@ def main():
     os.chdir(project)
     import netns
     import nodes
-    import task
+    import task_settings
     from conftest import run_training
 
     reason = netns.unavailable_reason()
     if reason:
         sys.exit(f"bench/network.py: two hosts need network namespaces: {reason}")
-    flags = [*task.NETWORK_ARGS, "--amp", "none", *nodes.timed_args(args.steps)]
-    batch = int(dict(zip(task.NETWORK_ARGS[::2], task.NETWORK_ARGS[1::2]))["--batch_size"])
+    flags = [*task_settings.NETWORK_ARGS, "--amp", "none", *nodes.timed_args(args.steps)]
+    batch = int(dict(zip(task_settings.NETWORK_ARGS[::2], task_settings.NETWORK_ARGS[1::2]))["--batch_size"])
     if args.strategies is not None:
         strategies = args.strategies or list(STRATEGIES)
         return strategies_bench(work, flags, batch, args.rates or STRATEGY_RATES, strategies, args.steps)
@@ -117,7 +117,7 @@ def main():
         finally:
             hosts.teardown()
     one_host = (before + one_host_step("one_host_after")) / 2  # the machine's speed drifts
-    print_table(rows, one_host, reports, batch, task.NETWORK_ARGS)
+    print_table(rows, one_host, reports, batch, task_settings.NETWORK_ARGS)
 
 
 def print_table(rows, one_host, reports, batch, sizes):

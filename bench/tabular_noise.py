@@ -70,7 +70,8 @@ def main():
     print(f"| per batch (now) | `__getitems__` | {vectorised:.1f} | {vectorised * BATCH:.0f} |")
     ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
     for workers in (0, 2):
-        cfg = Config(train_samples=SAMPLES, batch_size=BATCH, num_workers=workers, input_noise_std=0.1)
+        # resolved(): the synthetic data's sizes filled in (input_dim and num_classes default to 0).
+        cfg = Config(train_samples=SAMPLES, batch_size=BATCH, num_workers=workers, input_noise_std=0.1).resolved()
         loader, _ = build_loaders(cfg, ctx, *dataset.build_datasets(cfg))
         for epoch in (0, 1):  # the second epoch timed: persistent workers already started
             start_epoch(loader, epoch, rank=0, seed=cfg.seed)

@@ -63,7 +63,7 @@ MUTANTS = [
     Mutant(
         "loss_not_divided_by_accumulation",
         "accumulated gradients are grad_accum_steps times too large",
-        "train.py",
+        "ddp_utils/trainer.py",
         "self.scaler.scale(loss / accum if accum > 1 else loss).backward()",
         "self.scaler.scale(loss).backward()",
         (f"{CORRECTNESS}::test_world_size_and_accumulation_give_the_same_gradients",),
@@ -90,9 +90,9 @@ MUTANTS = [
     Mutant(
         "non_atomic_save",
         "checkpoints written in place",
-        "ddp_utils/checkpoint_files.py",
-        '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(tmp, "wb") as f:',
-        '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(path, "wb") as f:',
+        "ddp_utils/files.py",
+        '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(tmp, mode, **open_args) as f:',
+        '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(path, mode, **open_args) as f:',
         (f"{RESILIENCE}::test_a_crash_during_any_checkpoint_write_loses_nothing",),
     ),
     Mutant(
@@ -122,25 +122,25 @@ MUTANTS = [
     Mutant(
         "stop_decided_alone",
         "a rank acts on its own stop request without the others",
-        "train.py",
-        "        return self.checks.decide(agreement.result(), step, self.epoch)\n",
-        "        self.checks.decide(agreement.result(), step, self.epoch)\n        return self.stop.requested\n",
+        "ddp_utils/faults.py",
+        "        return self.decide(agreement.result(), step, epoch)\n",
+        "        self.decide(agreement.result(), step, epoch)\n        return bool(flags[0])  # this rank's stop request\n",
         (f"{CORRECTNESS}::test_stop_request_on_one_rank_stops_every_rank_together",),
     ),
     Mutant(
         "non_finite_decided_alone",
         "the non-finite check uses this rank's loss only",
-        "train.py",
-        "        return self.checks.decide(agreement.result(), step, self.epoch)\n",
+        "ddp_utils/faults.py",
+        "        return self.decide(agreement.result(), step, epoch)\n",
         "        agreed = agreement.result()\n"
-        "        agreed[1] = self.loss_sum.item()  # this rank's loss only\n"
-        "        return self.checks.decide(agreed, step, self.epoch)\n",
+        "        agreed[1] = float(flags[1])  # this rank's loss only\n"
+        "        return self.decide(agreed, step, epoch)\n",
         (f"{CORRECTNESS}::test_non_finite_loss_on_one_rank_stops_every_rank",),
     ),
     Mutant(
         "negative_lr_accepted",
         "the lr check lets negative values through",
-        "config.py",
+        "ddp_utils/configuration.py",
         "if not self.lr > 0:",
         "if self.lr == 0:",
         ("tests/test_config.py",),
@@ -148,8 +148,8 @@ MUTANTS = [
     Mutant(
         "clip_before_unscale",
         "fp16 gradients clipped while still loss-scaled",
-        "train.py",
-        "            self.scaler.unscale_(self.optimizer)  # the true gradients: to clip, and to see fp16 overflow\n",
+        "ddp_utils/trainer.py",
+        "            self.scaler.unscale_(self.optimizer)\n",
         "",
         (f"{CORRECTNESS}::test_clipping_sees_the_true_gradient_norm",),
     ),
@@ -172,7 +172,7 @@ MUTANTS = [
     Mutant(
         "warmup_off_by_one",
         "the lr is computed before the step's samples are counted (step 1 at lr 0)",
-        "train.py",
+        "ddp_utils/trainer.py",
         "        self.samples_seen += self.global_batch\n        lr = lr_at(self.samples_seen, cfg, self.plan)\n",
         "        lr = lr_at(self.samples_seen, cfg, self.plan)\n        self.samples_seen += self.global_batch\n",
         ("tests/test_train.py::test_the_trainer_follows_the_schedule_from_the_first_step",),
@@ -197,7 +197,7 @@ MUTANTS = [
     Mutant(
         "lr_on_steps",
         "the schedule runs on steps at the current global batch",
-        "train.py",
+        "ddp_utils/trainer.py",
         "        lr = lr_at(self.samples_seen, cfg, self.plan)\n",
         "        lr = lr_at(self.step * self.global_batch + self.global_batch, cfg, self.plan)\n",
         (f"{RESILIENCE}::test_the_learning_rate_stays_on_course_when_the_world_size_changes",),
@@ -622,9 +622,9 @@ MUTANTS = [
     Mutant(
         "data_error_after_output_dir",
         "bad data is found after logging has created output_dir (the old path: a logged ERROR, train.log written)",
-        "train.py",
-        "    task, datasets, notes = check_inputs(cfg, ctx)\n    setup_logging(ctx, cfg.output_dir)\n",
-        "    setup_logging(ctx, cfg.output_dir)\n    task, datasets, notes = check_inputs(cfg, ctx)\n",
+        "ddp_utils/run.py",
+        "    datasets, notes = check_inputs(task, cfg, ctx)\n    setup_logging(ctx, cfg.output_dir)\n",
+        "    setup_logging(ctx, cfg.output_dir)\n    datasets, notes = check_inputs(task, cfg, ctx)\n",
         ("tests/test_task.py::test_missing_data_is_one_line_naming_the_flag",),
     ),
     Mutant(
@@ -664,7 +664,7 @@ MUTANTS = [
     Mutant(
         "config_file_stops_at_the_first_bad_key",
         "a config file's problems reported one per run: the first unknown key ends the parse",
-        "config.py",
+        "ddp_utils/configuration.py",
         'problems.append(f"unknown key {place}{hint}")',
         'exit_with_error(f"--config {path}: unknown key {place}{hint}")',
         ("tests/test_experiments.py::test_bad_file_is_one_line_naming_the_file_and_key",),
@@ -680,7 +680,7 @@ MUTANTS = [
     Mutant(
         "gpt2_square_conv1d_not_transposed",
         "GPT-2's attention output Conv1D (square, so every shape still fits) loaded untransposed",
-        "hf_gpt2.py",
+        "language/hf_gpt2.py",
         'CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")',
         'CONV1D = ("attn.c_attn.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")',
         ("tests/test_task.py::test_init_from_a_gpt2_folder_gives_transformers_logits",),
@@ -688,7 +688,7 @@ MUTANTS = [
     Mutant(
         "hf_export_untransposed",
         "export.py --format hf writes this GPT's [out, in] weights where GPT-2's Conv1D wants [in, out]",
-        "hf_gpt2.py",
+        "language/hf_gpt2.py",
         "tensors[hf_name] = (tensor.t() if hf_name.endswith(CONV1D) else tensor).float().contiguous()",
         "tensors[hf_name] = tensor.float().contiguous()",
         ("tests/test_task.py::test_a_fine_tuned_gpt2_exports_a_folder_transformers_loads[ddp]",),
@@ -696,7 +696,7 @@ MUTANTS = [
     Mutant(
         "init_from_applied_again_on_resume",
         "a resumed fine-tune loads the pretrained folder over its own checkpoint's weights",
-        "train.py",
+        "ddp_utils/trainer.py",
         "self.checkpointer.restore_rank(state, self.loss_totals)",
         "self.checkpointer.restore_rank(state, self.loss_totals)\n"
         "        load_full_weights(self.strategy.module, self.task.pretrained_weights(self.cfg))",
@@ -796,7 +796,7 @@ MUTANTS = [
     Mutant(
         "single_use_stager_reused",
         "under torch 2.11 one DCP stager for every asynchronous save: the second save raises KeyError",
-        "ddp_utils/strategy.py",
+        "ddp_utils/compat.py",
         '        return "self._state_dict_stager.close()" not in inspect.getsource(stager_class._stage)\n',
         "        return True\n",
         (f"{FSDP}::test_a_stager_that_stages_once_is_told_apart",),
@@ -804,7 +804,7 @@ MUTANTS = [
     Mutant(
         "fp16_scale_read_to_the_host",
         "fp16's loss scale read to the host twice every optimizer step (GradScaler.get_scale)",
-        "train.py",
+        "ddp_utils/precision.py",
         "    return scaler._get_scale_async().clone()\n",
         "    return torch.tensor(scaler.get_scale())\n",
         ("tests/test_experiments.py::test_log_steps_show_gradient_norm_and_fp16_loss_scale",),
@@ -812,7 +812,7 @@ MUTANTS = [
     Mutant(
         "peak_tflops_by_prefix",
         "the MFU peak matched by the device name's beginning: a MIG slice gets the whole GPU's peak",
-        "ddp_utils/metrics.py",
+        "ddp_utils/flops.py",
         "    peaks = PEAK_TFLOPS.get(device_name.strip())\n",
         "    peaks = next((p for name, p in PEAK_TFLOPS.items() if device_name.startswith(name)), None)\n",
         ("tests/test_observability.py::test_peak_tflops_match_the_exact_device_and_precision",),
@@ -820,11 +820,35 @@ MUTANTS = [
     Mutant(
         "doctor_builds_the_model_for_the_gpu",
         "on a GPU host the doctor's CPU checks build the model as a GPU run would (torch's SyncBatchNorm)",
-        "doctor.py",
+        "ddp_utils/doctor.py",
         '    gpu_cfg, cfg = cfg, dataclasses.replace(cfg, device="cpu")\n',
         "    gpu_cfg = cfg\n",
         ("tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",),
         task="vision",
+    ),
+    Mutant(
+        "task_ignores_unknown_hooks",
+        "a misspelled hook passed to Task() is dropped without a word (its default takes over)",
+        "ddp_utils/contract.py",
+        "            if name not in names:\n",
+        '            if name not in names and name.startswith("__"):\n',
+        ("tests/test_contract.py::test_a_misspelled_task_hook_is_an_error_naming_the_hook",),
+    ),
+    Mutant(
+        "progress_line_every_step",
+        "without a progress bar, rank 0 prints a progress line after every step, not once an interval",
+        "ddp_utils/metrics.py",
+        "    return every > 0 and now + step_seconds - last_line >= every\n",
+        "    return every > 0\n",
+        ("tests/test_progress.py::test_progress_lines_from_rank_zero_once_per_interval",),
+    ),
+    Mutant(
+        "near_misses_on_the_top_module_only",
+        "a misspelled hook on a submodule (same_buffers_on_every_rank, shard_units) goes unreported",
+        "ddp_utils/contract.py",
+        "    classes = {type(module): None for module in model.modules()}\n",
+        "    classes = {type(model): None}\n",
+        ("tests/test_contract.py::test_a_near_miss_of_a_hook_on_the_model_the_datasets_or_the_config_is_reported",),
     ),
 ]
 

@@ -17,6 +17,8 @@ OPTIONAL_FILES = {
     "Dockerfile": ("kubernetes", "yes"),
     ".dockerignore": ("kubernetes", "yes"),
     "tests/cluster/test_kubernetes.py": ("kubernetes", "yes"),
+    "docs/slurm.md": ("slurm", "yes"),
+    "docs/kubernetes.md": ("kubernetes", "yes"),
 }
 
 

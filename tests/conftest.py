@@ -40,7 +40,7 @@ TASKS = ("language", "vision", "tabular")  # the first is the default
 # The files each optional answer keeps, as hooks/post_gen_project.py removes them otherwise.
 KUBERNETES_FILES = {"k8s/trainjob.yaml", "k8s/jobset.yaml", "k8s/pvc.yaml", "Dockerfile", ".dockerignore",
                     "tests/cluster/test_kubernetes.py"}  # fmt: skip
-OPTIONAL = {"slurm": {"scripts/slurm.sbatch"}, "kubernetes": KUBERNETES_FILES}
+OPTIONAL = {"slurm": {"scripts/slurm.sbatch", "docs/slurm.md"}, "kubernetes": KUBERNETES_FILES | {"docs/kubernetes.md"}}
 
 
 def template_files(task, slurm="yes", kubernetes="no"):

@@ -212,14 +212,16 @@ def test_other_tasks_pass_their_tests(cookies, task):
 
 def test_readme_quick_start_runs_as_written_with_two_nodes(cookies, tmp_path):
     """num_nodes=2 makes launch.sh default to two nodes; the quick start still runs on this
-    machine. Each command as written, with a smaller run and its own output folder appended
-    (the tabular task: no data to prepare)."""
+    machine. Each command as written (the CPU ones at experiments/quick_cpu.toml's sizes, one
+    process and two; the GPU one at the defaults), with a smaller run and its own output
+    folder appended (the tabular task: no data to prepare)."""
     project = bake_ok(cookies, num_nodes="2", gpus_per_node="2", task="tabular")
     readme = (project / "README.md").read_text()
     block = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line.split("#", 1)[0].strip() for line in block.splitlines()]
     commands = [c for c in commands if c and not c.startswith(("python -m venv", "pip ", "pytest"))]
     assert len(commands) == 3 and any("scripts/launch.sh" in c for c in commands), commands
+    assert sum("--config experiments/quick_cpu.toml" in c for c in commands) == 2, commands
     small = "--epochs 1 --train_samples 2048 --val_samples 256 --hidden_dim 32"
     for number, command in enumerate(commands):
         result = run(["bash", "-c", f"{command} {small} --output_dir runs/quick_{number}"], cwd=project)
@@ -242,20 +244,20 @@ def test_other_amp_defaults_train(cookies, amp):
     assert "failed" not in result.stdout and (" passed" in result.stdout or " skipped" in result.stdout)
 
 
-def test_a_non_editable_install_imports_every_entry_point(default_project, tmp_path):
-    """`pip install .` (not editable) installs every top-level module and the whole ddp_utils
-    package: setup.py finds them all, so a module added later (strategy.py, export.py once)
-    cannot be left out."""
+def test_an_install_adds_the_machinery_and_no_generic_top_level_module(default_project, tmp_path):
+    """`pip install .` (not editable) installs the whole ddp_utils package and nothing else at the
+    top level: the files at the project's root (config.py, model.py, task.py, ...) are the
+    user's and run from the project's folder; installed, `config` or `model` would collide with
+    any other module of that name. Every ddp_utils module imports from the installed copy."""
     target = tmp_path / "site"
     result = run(["python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
                   str(default_project)], cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    scripts = sorted(p.stem for p in default_project.glob("*.py") if p.stem != "setup")
-    assert sorted(p.stem for p in target.glob("*.py")) == scripts
+    installed = sorted(p.name for p in target.iterdir() if not p.name.endswith((".dist-info", ".egg-info")))
+    assert installed == ["ddp_utils"], installed
     machinery = sorted(f"ddp_utils.{p.stem}" for p in (default_project / "ddp_utils").glob("*.py"))
     assert sorted(f"ddp_utils.{p.stem}" for p in (target / "ddp_utils").glob("*.py")) == machinery
-    scripts += [m for m in machinery if m != "ddp_utils.__init__"]
     code = "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]"
     env = {**os.environ, "PYTHONPATH": str(target)}
-    result = run(["python", "-c", code, *scripts], cwd=tmp_path, env_override=env)  # not the project folder
+    result = run(["python", "-c", code, *machinery], cwd=tmp_path, env_override=env)  # not the project folder
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,8 +1,9 @@
-"""A model the generated project's tests have never seen, dropped into its model.py (as a user
-would: tests/own_model/, nn.TransformerEncoder with a zero-initialised head, no sharding hints):
-it keeps its initial weights under ddp and fsdp, fsdp trains what ddp trains, training is
-the same on 1 and 2 processes, a SIGTERM'd run resumes exactly, the doctor finds nothing to
-fail, and the project's own tests of these guarantees pass with it."""
+"""A model the generated project's tests have never seen, dropped into its model.py and task.py
+(as a user would: tests/own_model/, nn.TransformerEncoder with a zero-initialised head, no
+sharding hints, no resolve_model): it keeps its initial weights under ddp and fsdp, fsdp
+trains what ddp trains, training is the same on 1 and 2 processes, a SIGTERM'd run resumes
+exactly, the doctor finds nothing to fail, and the project's own tests of these guarantees
+pass with it."""
 
 import shutil
 from pathlib import Path
@@ -28,6 +29,7 @@ GUARANTEES = [
 def own_model_project(cookies_session):
     project = bake_ok(cookies_session, task="tabular", project_name="Own Model")
     shutil.copy(OWN / "model.py", project / "model.py")
+    shutil.copy(OWN / "task.py", project / "task.py")
     shutil.copy(OWN / "tiny.toml", project / "experiments" / "tiny.toml")
     return project
 

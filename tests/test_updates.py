@@ -4,8 +4,9 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 
-from conftest import TEMPLATE, run
+from conftest import TEMPLATE, project_files, run
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@example.com"}  # fmt: skip
@@ -88,3 +89,62 @@ def test_post_gen_hook_puts_the_chosen_task_in_place_once(tmp_path):
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert files == ["model.py", "tests/test_task.py", "train.py"]
     assert (tmp_path / "model.py").read_text() == "vision"
+
+
+# The last commit of the layout before the front door (issue 44): train.py held the Trainer,
+# config.py the parser, doctor.py, preflight.py and export.py the machinery, tests/task.py the
+# tests' settings, setup.py installed every root file.
+PREVIOUS_LAYOUT = "9edf4c0"
+
+
+def test_cruft_update_takes_a_project_from_the_previous_layout_to_this_one(tmp_path):
+    """A project made by the commit before the layout changed, with an edit of the user's own
+    (a default in model.py), is updated by `cruft update` to exactly what this template makes,
+    the user's edit kept; the updated project trains."""
+    have = run(["git", "-C", str(TEMPLATE), "cat-file", "-e", f"{PREVIOUS_LAYOUT}^{{commit}}"], cwd=tmp_path)
+    assert have.returncode == 0, f"commit {PREVIOUS_LAYOUT} is not in this clone (a shallow one?): {have.stderr}"
+    template = tmp_path / "template"
+    template.mkdir()
+    archive = subprocess.run(["git", "-C", str(TEMPLATE), "archive", PREVIOUS_LAYOUT], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(template)], input=archive.stdout, check=True)
+    git(template, "init", "-q")
+    commit_all(template, "the previous layout")
+    created = run(["cruft", "create", "--no-input", str(template), "--output-dir", str(tmp_path / "projects")],
+                  cwd=tmp_path)  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    project = tmp_path / "projects" / "ddp_training"
+    assert (project / "setup.py").exists() and "class Trainer" in (project / "train.py").read_text()
+    git(project, "init", "-q")
+    commit_all(project, "generated")
+    model = project / "model.py"
+    model.write_text(model.read_text().replace("n_layer: int = knob(6,", "n_layer: int = knob(4,", 1))
+    assert "n_layer: int = knob(4," in model.read_text()
+    commit_all(project, "the user's own default")
+
+    for path in list(template.iterdir()):
+        if path.name != ".git":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    ignore = shutil.ignore_patterns(".venv", "demo", ".git", "__pycache__", ".pytest_cache", ".ruff_cache")
+    shutil.copytree(TEMPLATE, template, ignore=ignore, dirs_exist_ok=True)
+    commit_all(template, "this layout")
+    updated = run(["cruft", "update", "--skip-apply-ask"], cwd=project)
+    assert updated.returncode == 0, updated.stdout + updated.stderr
+    assert not list(project.rglob("*.rej")), "cruft could not apply part of the update"
+
+    fresh = run(["cookiecutter", "--no-input", str(template), "--output-dir", str(tmp_path / "fresh")], cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    expected = tmp_path / "fresh" / "ddp_training"
+
+    def tree(root):
+        return sorted(str(p.relative_to(root)) for p in project_files(root) if ".git" not in p.relative_to(root).parts)
+
+    assert [p for p in tree(project) if p != ".cruft.json"] == tree(expected)
+    for relative in tree(expected):
+        if relative != "model.py":
+            assert (project / relative).read_bytes() == (expected / relative).read_bytes(), relative
+    assert (project / "model.py").read_text() == (expected / "model.py").read_text().replace(
+        "n_layer: int = knob(6,", "n_layer: int = knob(4,", 1
+    )
+    assert "n_layer: int = knob(4," in (project / "model.py").read_text()
+    helped = run(["python", "train.py", "--help"], cwd=project)
+    assert helped.returncode == 0 and "--n_layer" in helped.stdout and "(default: 4)" in helped.stdout, helped.stderr

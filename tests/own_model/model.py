@@ -24,9 +24,6 @@ class ModelConfig:
         if self.d_model < 2 or self.d_model % 2:
             raise ConfigError("d_model", "must be an even number of at least 2")
 
-    def resolve_model(self):
-        return {}
-
 
 class FeatureTransformer(nn.Module):
     def __init__(self, input_dim, d_model, layers, num_classes):

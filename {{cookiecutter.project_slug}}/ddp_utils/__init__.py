@@ -1,31 +1,45 @@
-"""The machinery of training: what train.py orchestrates and a user does not need to edit.
+"""The machinery of training: what the entry points at the top of the project run, and what a
+user does not need to edit.
 
-The files a user edits are at the top of the project (config.py, model.py, dataset.py,
-train.py and the scripts); this package never imports them, except model.py and dataset.py
-through contract.py (the task contract). Each module has one job, on one floor; a module
-imports only from the modules listed below it:
+The user's files are at the top of the project (config.py, model.py, dataset.py, task.py and
+the task's scripts); this package never imports them. train.py, doctor.py, preflight.py and
+export.py hand it the task (task.py's TASK, a contract.Task) and call a `main(task)` here. Each
+module has one job, on one floor; a module imports only from the modules listed below it:
 
+    preflight.py     preflight.py's main: the job's step timed, what the network costs, the verdict
+    run.py           train.py's main: the config, the process group, the Trainer's exit path
+    trainer.py       the Trainer: the training loop, read top to bottom
+    preflight_checks.py  the preflight's checks of one process and its network measurements
+    doctor.py        doctor.py's main: what each check does, the report
+    doctor_processes.py    1 vs 2 real processes, their steps under ddp, fsdp and hsdp
+    doctor_memory.py       the memory plan per GPU, activations measured
+    doctor_equivalence.py  1 vs 2 in one process, an exact resume, the data position, data per
+                           rank, fsdp = ddp
+    doctor_checks.py       the doctor's rows; gradients, shard units, host syncs
+    export.py        export.py's main: a checkpoint as one file or a Hugging Face folder
     inputs.py        what must hold before a run writes anything: data, trackers (check_inputs)
-    doctor_processes.py    doctor.py: 1 vs 2 real processes, their steps under ddp, fsdp and hsdp
-    doctor_equivalence.py  doctor.py: 1 vs 2 in one process, an exact resume, the data position,
-                           data per rank, fsdp = ddp
-    doctor_memory.py       doctor.py: the memory plan per GPU, activations measured
-    doctor_checks.py       doctor.py's rows; gradients, shard units, host syncs
-    checkpoint.py    the Checkpointer: choose, load, save, the resume position, random generators
-    evaluation.py    the Validator: the task's metrics over the whole validation set
-    metrics.py       the Meter and Reporter: metrics.jsonl, progress bar, step timing, loss lines, MFU
+    checkpoint.py    the Checkpointer: choose, load, save, when to save, random generators
+    evaluation.py    the Validator (the task's metrics over the whole validation set) and
+                     TextSamples (--sample_every_steps)
+    metrics.py       the Meter and Reporter: metrics.jsonl, progress, step timing, loss lines
+    flops.py         MFU: a sample's FLOPs and the GPU's peak
     strategy.py      --strategy ddp or fsdp: building, wrapping and sharding the model
     profiling.py     --profile_steps
+    configuration.py a run's config from config.py's defaults, a TOML file and the flags; the
+                     checks across fields; the TOML file that reproduces a run
     trackers.py      TensorBoard, W&B, MLflow (--tracker)
-    checkpoint_files.py  the checkpoint formats on disk: atomic single files, DCP folders
+    checkpoint_files.py  the checkpoint formats on disk: single files, DCP folders
+    compat.py        bridges between the torch releases the project supports
     data.py          which rank sees which samples, loaders, seeding
     dist.py          the process group, devices, collectives and store waits
     faults.py        error types, stop signals, the watchdog, step agreements, the exit path
     logs.py          rank-aware logging (`rank_zero_only`)
-    contract.py      what the loop reads from model.py and dataset.py (the one module that
-                     imports them), its defaults, and how a batch of any structure is handled
-    inference.py     a trained model in one process (sample.py, predict.py): device, checkpoint
+    contract.py      the Task: every hook the machinery reads, its defaults, near misses
+                     reported, and how a batch of any structure is handled
+    inference.py     a trained model in one process (the task's scripts): device, checkpoint
     knobs.py         how a config field is declared, and the one-line error for a bad value
+    files.py         files and folders written whole or not at all
+    precision.py     --amp: the autocast dtypes and the one autocast context
     schedule.py      the learning rate as a pure function of samples trained
     optim.py         the optimizer (AdamW, fused) and gradient clipping
     comm_model.py    what gradients cost to send: the preflight's prediction of a job's step

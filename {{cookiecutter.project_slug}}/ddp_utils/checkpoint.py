@@ -95,6 +95,11 @@ class Checkpointer:
         else:
             self.scaler.load_state_dict(state["scaler"])  # a disabled scaler (bf16, none) ignores it
 
+    def due(self, step):
+        """Whether optimizer step `step` gets a checkpoint of its own (--checkpoint_every_steps)."""
+        every = self.cfg.checkpoint_every_steps
+        return bool(every) and step % every == 0
+
     def restore_rank(self, state, loss_totals):
         """This rank's random generators and partial loss sums, when the world size is the
         checkpoint's. With another world size the data order continues unchanged (it depends on

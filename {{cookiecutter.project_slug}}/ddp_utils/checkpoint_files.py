@@ -17,6 +17,7 @@ import torch
 
 from .dist import store_barrier
 from .faults import CheckpointError
+from .files import replace_folder, write_atomically
 from .logs import log, rank_zero_only, warn_main
 
 
@@ -56,22 +57,6 @@ def _write_checkpoint(state, checkpoint_dir, step, keep):
 
 def _atomic_save(state, path):
     write_atomically(path, lambda f: torch.save(state, f))
-
-
-def write_atomically(path, write):
-    """Write a file whole or not at all: `write(f)` fills a temporary binary file, renamed to
-    `path` once on disk. A crash or a full disk while writing leaves only the temporary file
-    behind; `path` is always either the previous complete file or the new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _atomic_link(target, path, state):
@@ -236,17 +221,13 @@ def _publish_sharded(tmp, final, keep):
     `last` and the step folders are complete checkpoints."""
     try:
         _fsync_dir(tmp)
-        replaced = final.with_name(f".{final.name}.old")
-        if final.exists():  # the same step saved again (a run resumed from an older one)
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.replace(final, replaced)
-        os.replace(tmp, final)
+        # The same step may be saved again (a run resumed from an older one).
+        replace_folder(tmp, final)
         link = final.parent / ".last.link"
         link.unlink(missing_ok=True)
         link.symlink_to(final.name)
         os.replace(link, final.parent / "last")
         _fsync_dir(final.parent)
-        shutil.rmtree(replaced, ignore_errors=True)
         # The newest `keep` step folders stay (at least the one `last` names), never this one.
         others = sorted(p for p in final.parent.glob("step_*") if p.is_dir() and p != final)
         for old in others[: len(others) - max(keep - 1, 0)]:

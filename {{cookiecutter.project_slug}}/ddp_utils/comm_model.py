@@ -55,7 +55,7 @@ def internode_bytes(parameters, cfg, world_size, nodes, sent, backend="nccl"):
     - fsdp: each block's parameters all-gathered over every process in forward, and again in
       backward when --reshard_after_forward (in the --amp dtype), and the gradients reduce-
       scattered (fp32): (W-1)/W x their bytes (gloo reduce-scatters with a whole all-reduce:
-      twice that for the gradients, as measured on two hosts, BENCHMARKS.md).
+      twice that for the gradients, as measured on two hosts by the template's benchmarks).
     - hsdp, one replica per node: the all-gathers and reduce-scatters stay inside the node; the
       replicas all-reduce their gradient shards: 2 (N-1)/N x the gradient bytes (fp32), as ddp.
     """

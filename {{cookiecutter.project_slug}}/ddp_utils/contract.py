@@ -1,77 +1,166 @@
-"""The task contract: the one place the machinery reads the files a user edits, and what it
-reads (`load_task()`, when training starts; only `build_model` is required).
+"""The task contract: the one object the machinery is handed, and how it reads a batch.
 
-dataset.py
-- `build_datasets(cfg) -> (train, val)`: map-style datasets. An item may be a tensor, a tuple
-  or list, or a dict of tensors (nested too): the loop moves any of them to the device
-  (`to_device`), counts samples by their first dimension (`batch_size`), and hands the model
-  `model_inputs(batch)`: a tuple's or list's first element, a dict's "inputs", or the batch.
-  A bad setting or missing data: raise `knobs.ConfigError` (naming the flag) or `InputError`.
-- On the datasets, optionally: `data_state()` (training set), what a prediction needs from the
-  training data (label names, normalisation statistics) as plain data, saved in every
-  checkpoint as state["data"]; `check_samples(indices) -> {index: problem}` and
-  `without(indices) -> Dataset`, bad samples found before training (data.find_bad_samples).
-model.py
+The project's `task.py` builds `TASK = Task(...)` from the user's config.py, model.py and
+dataset.py, and every entry point (train.py, doctor.py, preflight.py, export.py, and the
+launchers that call them) hands it over: the machinery never imports a user file. This
+docstring is the one list of what the machinery reads; nothing else is looked up by name.
+
+Required, as keywords:
+- `config`: the Config dataclass (config.py) with every knob of a run. Its bases ModelConfig
+  and DataConfig may define `check_model()`/`check_data()` (raise `knobs.ConfigError` naming
+  the flag) and `resolve_model()`/`resolve_data()` (a dict of fields filled in from the data,
+  e.g. a vocabulary size of 0); all four are optional.
 - `build_model(cfg) -> nn.Module`: built as written, with torch seeded by --seed, under ddp
   and fsdp alike (its own initialisation is kept).
-- `loss_fn(output, batch)`: the mean training loss. Default: cross-entropy against the
-  targets (a tuple's second element, a dict's "targets").
-- `evaluation_sums(output, batch) -> {name: sum}`: summed over every validation batch and
-  rank, then `evaluation_metrics(sums) -> {metric: value}`, which includes "val_loss".
-  Default: a classifier's loss and accuracy; with only a `loss_fn`, the loss alone.
-- `SHAPE_FIELDS`: config fields a checkpoint to resume must match. Default: none.
-- `tokens_per_sample(cfg)`: predictions per sample, for a tokens/s figure. Default: 1.
+- `build_datasets(cfg) -> (train, val)`: map-style datasets. An item may be a tensor, a tuple
+  or list, or a dict of tensors (nested too): the loop moves any of them to the device
+  (`to_device`), counts samples by their first dimension (`count_samples`), and hands the model
+  `model_inputs(batch)`: a tuple's or list's first element, a dict's "inputs", or the batch.
+  A bad setting or missing data: raise `knobs.ConfigError` (naming the flag) or `InputError`.
+
+Optional, as keywords (the default after the colon):
+- `loss_fn(output, batch)`: the mean training loss: cross-entropy against the targets (a
+  tuple's second element, a dict's "targets").
+- `evaluation_sums(output, batch) -> {name: sum}`, summed over every validation batch and rank,
+  then `evaluation_metrics(sums) -> {metric: value}`, which includes "val_loss": a classifier's
+  loss and accuracy; with only a `loss_fn`, the loss alone.
+- `shape_fields`: config fields a checkpoint to resume must match: none.
+- `tokens_per_sample(cfg)`: predictions per sample, for a tokens/s figure: 1.
 - `pretrained_weights(cfg)`: a whole state dict to start from (e.g. --init_from's), copied into
-  the model on a fresh start (never on resume), under ddp and fsdp alike. Default: None.
-- `sample_text(model, cfg) -> str`: a short sample of the model's output (text from a fixed
-  prompt and seed), logged every --sample_every_steps. Default: none, that flag is refused.
+  the model on a fresh start (never on resume), under ddp and fsdp alike: None.
+- `sample_text(model, cfg, data) -> str`: a short sample of the model's output (text from a
+  fixed prompt and seed), logged every --sample_every_steps; `data` is the training set's
+  `data_state()`: none, that flag is refused.
 - `write_hf(exported, out_dir)`: export.py --format hf, a Hugging Face folder of an exported
-  checkpoint ({"model", "config", "data"}). Default: none, that format is refused.
-- On the model, optionally: `shard_units()`, the blocks --strategy fsdp shards one by one
-  (default: the children of its largest nn.ModuleList/nn.Sequential); `init_weights(name,
-  module)`, an initialisation module by module, which lets a model too big for one process
-  start on the meta device (strategy.build_module).
+  checkpoint ({"model", "config", "data"}): none, that format is refused.
+
+Optional on the model object (looked up on the module build_model returns):
+- `shard_units()`: the blocks --strategy fsdp shards one by one: the children of its largest
+  nn.ModuleList/nn.Sequential.
+- `init_weights(name, module)`: an initialisation module by module, which lets a model too big
+  for one process start on the meta device (strategy.build_module).
+- `same_buffers_on_every_rank = True` on a submodule whose buffers are kept equal across ranks
+  by the module itself (as torch's SyncBatchNorm does): DDP need not resend them.
+
+Optional on the datasets:
+- `data_state()` (training set): what a prediction needs from the training data (label names,
+  normalisation statistics, the tokenizer) as plain data, saved in every checkpoint.
+- `check_samples(indices) -> {index: problem}` and `without(indices) -> Dataset`: bad samples
+  found before training (data.find_bad_samples).
+- `set_epoch(epoch)`: called before each epoch, for randomness drawn from (seed, epoch, index).
+
+A misspelled keyword is an error naming the near miss; a method on the model, the datasets or
+the config classes whose name is a near miss of a hook above is reported once at start.
 """
 
+import dataclasses
+import difflib
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .knobs import ConfigError
 
-@dataclass(frozen=True)
+CONFIG_HOOKS = ("check_model", "resolve_model", "check_data", "resolve_data")
+MODEL_HOOKS = ("shard_units", "init_weights", "same_buffers_on_every_rank")
+DATASET_HOOKS = ("data_state", "check_samples", "without", "set_epoch")
+
+
+@dataclass(frozen=True, init=False)
 class Task:
-    build_model: object  # cfg -> nn.Module
-    build_datasets: object  # cfg -> (train Dataset, validation Dataset)
-    loss_fn: object  # (output, batch) -> the mean training loss, a scalar tensor
-    evaluation_sums: object  # (output, batch) -> {name: sum over the batch}, added over batches and ranks
-    evaluation_metrics: object  # {name: total} -> {metric: value}, with "val_loss"
-    shape_fields: tuple  # config fields a checkpoint to resume must match
-    tokens_per_sample: object  # cfg -> predictions per sample (tokens/s is reported when above 1)
-    pretrained_weights: object  # cfg -> a whole state dict to start from, or None
-    sample_text: object  # (model, cfg) -> a sample of its output as text, or None: the task has none
+    """What the machinery reads of a task (this module's docstring): built with keywords only."""
+
+    config: type
+    build_model: object
+    build_datasets: object
+    loss_fn: object
+    evaluation_sums: object
+    evaluation_metrics: object
+    shape_fields: tuple
+    tokens_per_sample: object
+    pretrained_weights: object
+    sample_text: object  # or None: the task has none
+    write_hf: object  # or None
+
+    def __init__(self, **hooks):
+        names = [f.name for f in dataclasses.fields(self)]
+        for name in hooks:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f": did you mean {close[0]}?" if close else f" (the hooks: {', '.join(names)})"
+                raise TypeError(f"Task(): {name} is not a hook the machinery reads{hint}")
+        for name in ("config", "build_model", "build_datasets"):
+            if hooks.get(name) is None:
+                raise TypeError(f"Task(): {name} is required")
+        loss_fn = hooks.get("loss_fn")
+        sums, metrics = (loss_sums(loss_fn), loss_metrics) if loss_fn else (classification_sums, classification_metrics)
+        defaults = {
+            "loss_fn": cross_entropy,
+            "evaluation_sums": sums,
+            "evaluation_metrics": metrics,
+            "shape_fields": (),
+            "tokens_per_sample": one_per_sample,
+            "pretrained_weights": no_weights,
+            "sample_text": None,
+            "write_hf": None,
+        }
+        for name in names:
+            value = hooks.get(name)
+            object.__setattr__(self, name, defaults[name] if value is None else value)
+        object.__setattr__(self, "shape_fields", tuple(self.shape_fields))
+        for problem in near_misses(self.config, CONFIG_HOOKS, "config"):
+            raise TypeError(f"Task(): {problem}")
+
+    def replace(self, **hooks):
+        """This task with `hooks` replaced, every other one kept as it is (no defaults recomputed)."""
+        return Task(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **hooks})
 
 
-def load_task():
-    """The task as model.py and dataset.py define it, with defaults for what they leave out:
-    without a loss, classification (cross-entropy, accuracy); with a loss but no evaluation,
-    the validation loss alone."""
-    import dataset
-    import model
+def one_per_sample(cfg):
+    return 1
 
-    loss_fn = getattr(model, "loss_fn", None)
-    sums, metrics = (loss_sums(loss_fn), loss_metrics) if loss_fn else (classification_sums, classification_metrics)
-    return Task(
-        build_model=model.build_model,
-        build_datasets=dataset.build_datasets,
-        loss_fn=loss_fn or cross_entropy,
-        evaluation_sums=getattr(model, "evaluation_sums", sums),
-        evaluation_metrics=getattr(model, "evaluation_metrics", metrics),
-        shape_fields=tuple(getattr(model, "SHAPE_FIELDS", ())),
-        tokens_per_sample=getattr(model, "tokens_per_sample", lambda cfg: 1),
-        pretrained_weights=getattr(model, "pretrained_weights", lambda cfg: None),
-        sample_text=getattr(model, "sample_text", None),
-    )
+
+def no_weights(cfg):
+    return None
+
+
+def near_misses(obj, hooks, what):
+    """A line for each name that the user's classes of `obj` (an instance or a class; torch's
+    and the standard library's own are left out) define and that is close to, but not, one of
+    `hooks`: a misspelled hook the machinery would silently not call."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    names = set()
+    for base in inspect.getmro(cls):
+        if base.__module__.split(".")[0] not in ("torch", "builtins", "typing", "abc", "ddp_utils"):
+            # Private names (a leading underscore) are the class's own business, never hooks.
+            names.update(n for n in vars(base) if not n.startswith("_"))
+    problems = []
+    for name in sorted(names - set(hooks)):
+        close = difflib.get_close_matches(name, hooks, n=1, cutoff=0.8)
+        if close:
+            problems.append(f"{what} {cls.__name__}.{name} is not a hook the machinery reads: did you mean {close[0]}?")
+    return problems
+
+
+def model_near_misses(model):
+    """near_misses of MODEL_HOOKS on each class of module in `model`."""
+    classes = {type(module): None for module in model.modules()}
+    return [problem for cls in classes for problem in near_misses(cls, MODEL_HOOKS, "the model's")]
+
+
+def resolved(cfg):
+    """The config with what comes from the data filled in (`resolve_data()`, `resolve_model()`,
+    each optional); a field they name that the config does not have is a ConfigError."""
+    filled = {}
+    for hook in ("resolve_data", "resolve_model"):
+        if hasattr(cfg, hook):
+            filled.update(getattr(cfg, hook)() or {})
+    unknown = sorted(set(filled) - {f.name for f in dataclasses.fields(cfg)})
+    if unknown:
+        raise ConfigError(unknown[0], "is filled in by resolve_data/resolve_model but is not a config field")
+    return dataclasses.replace(cfg, **filled) if filled else cfg
 
 
 def data_state(train_set):
@@ -108,7 +197,7 @@ def model_inputs(batch):
     return batch
 
 
-def batch_size(batch):
+def count_samples(batch):
     """Samples in a batch: the first dimension of its first tensor."""
     if type(batch) in (tuple, list) and isinstance(batch[0], torch.Tensor):
         return len(batch[0])
@@ -154,7 +243,7 @@ def loss_sums(loss_fn):
     """Evaluation sums of a task that defines only its loss: the mean loss weighted by samples."""
 
     def sums(output, batch):
-        samples = batch_size(batch)
+        samples = count_samples(batch)
         return {"loss": loss_fn(output, batch).double() * samples, "samples": samples}
 
     return sums

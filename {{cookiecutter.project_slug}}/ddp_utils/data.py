@@ -89,8 +89,8 @@ def _exit_on_parent_sigterm(parents):
             os._exit(0)  # as torch's handler does for its parent
 
 
-def build_datasets(task, cfg, ctx):
-    """The task's (train, validation) datasets (dataset.py's build_datasets), checked before
+def checked_datasets(task, cfg, ctx):
+    """The task's (train, validation) datasets (its build_datasets), checked before
     anything is written: returns ((train, val), notes to log), or raises InputError on every
     rank alike (train.py prints it once: `error: ...`, exit status 2).
 

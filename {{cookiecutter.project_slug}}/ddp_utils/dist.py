@@ -30,7 +30,7 @@ class DistContext:
     rank: int  # global rank: who writes files, logs and checkpoints
     local_rank: int  # rank on this node
     world_size: int
-    device: torch.device  # this process's device: the only device index to use (pick_device)
+    device: torch.device  # this process's device: the only device index to use (local_gpu)
     store: dist.Store  # the group's key-value store, for waits that collectives must not bound
     local_world_size: int = 1  # processes on this node
 
@@ -44,7 +44,7 @@ class DistContext:
         return self.rank == 0
 
 
-def pick_device(local_rank):
+def local_gpu(local_rank):
     """This process's GPU: the LOCAL_RANK-th GPU it sees, or its only one.
 
     Schedulers often show each process just its own GPU (`srun --gpus-per-task=1`,
@@ -136,7 +136,7 @@ def choose_device(local_rank, device="auto", environ=os.environ):
     if device == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available():
-        return pick_device(local_rank)
+        return local_gpu(local_rank)
     asked = "--device cuda" if device == "cuda" else gpus_requested(environ)
     if asked:
         raise DeviceError(
@@ -180,7 +180,7 @@ def setup_distributed(timeout_seconds=600, trace_dir=None, device="auto"):
     neither (plain `python train.py`) a single-process group is made on an in-memory store,
     so the rest of the code runs one path: DDP, collectives and the sampler behave exactly as
     with more processes. On GPUs, NCCL's flight recorder keeps the last collectives of each
-    rank and dumps them to `trace_dir` when a collective times out (README: When it hangs).
+    rank and dumps them to `trace_dir` when a collective times out (docs/clusters.md: When it hangs).
     """
     env = process_env()
     rank, local_rank, world_size = env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]
@@ -298,7 +298,7 @@ class Agreement:
     finite only if it is finite on every rank (NaN and inf survive a sum), so neither needs an
     operation of its own before the all-reduce. `result()` gives the sums; the training loop
     reads them one optimizer step after starting the all-reduce, so it never waits for the
-    device (train.py, optimizer_step).
+    device (trainer.py, optimizer_step; faults.StepChecks).
     """
 
     def __init__(self, values, device):

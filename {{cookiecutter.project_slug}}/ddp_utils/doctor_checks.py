@@ -15,9 +15,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .contract import batch_size, model_inputs, to_device
+from .contract import count_samples, model_inputs, to_device
 from .knobs import ConfigError
-from .strategy import AMP_DTYPES, build_module, shard_units
+from .precision import AMP_DTYPES, autocast
+from .strategy import build_module, shard_units
 
 PROJECT = Path(__file__).resolve().parents[1]  # the project: its own code, not this package's
 
@@ -37,7 +38,7 @@ def to_float64(batch):
 
 def halves(batch):
     """The first two halves of equal size (an odd sample left out): two ranks' shares."""
-    size = batch_size(batch) // 2
+    size = count_samples(batch) // 2
     return [
         tree_map_only(torch.Tensor, lambda t: t[:size], batch),
         tree_map_only(torch.Tensor, lambda t: t[size : 2 * size], batch),
@@ -208,7 +209,7 @@ def gpu_sync_check(model, batch, loss_fn, cfg):
         found.add(f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "in backward")
 
     def step():
-        with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None):
+        with autocast("cuda", amp_dtype):
             loss = loss_fn(model(model_inputs(batch)), batch)
         loss.backward()
 

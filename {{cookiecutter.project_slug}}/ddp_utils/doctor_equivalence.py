@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from .checkpoint import rng_state, set_rng_state
-from .contract import batch_size, model_inputs
+from .contract import count_samples, model_inputs
 from .data import build_loaders, start_epoch
 from .dist import DistContext
 from .doctor_checks import check, differs, first_line, halves, same, whole
@@ -44,14 +44,14 @@ def equivalence_check(model, batch, loss_fn):
     its batch norms without synchronisation, the difference sought; a synchronised one would
     need the processes. In this one process: where processes_check cannot start its 2."""
     shares = halves(batch)
-    if batch_size(shares[0]) == 0:
+    if count_samples(shares[0]) == 0:
         return check("1 vs 2 processes", "warn", "not checked: the training set has fewer than 2 samples")
     model.eval()
     for module in model.modules():
         synced = isinstance(module, nn.SyncBatchNorm) or getattr(module, "same_buffers_on_every_rank", False)
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not synced:
             module.train()
-    full = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
+    full = tree_map_only(torch.Tensor, lambda t: t[: 2 * count_samples(shares[0])], batch)
     full, split = gradients(model, [full], loss_fn), gradients(model, shares, loss_fn)
     for name, grad in full.items():
         if differs(grad, split.get(name)):
@@ -256,7 +256,7 @@ def data_position_check(task, cfg):
         why = (f"training batch {RESUMED_AT} of an epoch differs after a resume there{workers}: the dataset draws "
                "random numbers that depend on how far the loader has read, or keeps a count or an epoch of its "
                "own")  # fmt: skip
-        fix = ("derive each sample from (seed, epoch, index) alone, as the vision task's augment does with "
+        fix = ("derive each sample's randomness from (seed, epoch, index) alone, with "
                "ddp_utils.data.mix_seed (an epoch set in the training process reaches persistent workers only "
                "through shared memory: the tasks' set_epoch)")  # fmt: skip
         return check("data position", "fail", why, fix)

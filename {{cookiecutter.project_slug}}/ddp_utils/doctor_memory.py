@@ -10,9 +10,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .contract import batch_size, model_inputs
+from .contract import count_samples, model_inputs
 from .doctor_checks import check, halves
-from .strategy import AMP_DTYPES, shard_units
+from .precision import AMP_DTYPES, autocast
+from .strategy import shard_units
 
 
 class LiveBytes(TorchDispatchMode):
@@ -46,7 +47,7 @@ def activation_trace(model, batch, loss_fn, amp_dtype):
     """The bytes a forward and the loss of `batch` hold after each operation: what they save
     for backward and what they hold for a while."""
     with LiveBytes() as tracked:
-        with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
+        with autocast("cpu", amp_dtype):
             loss = loss_fn(model(model_inputs(batch)), batch)
     del loss
     return tracked.trace
@@ -59,7 +60,7 @@ def activations_at(model, batch, loss_fn, cfg):
     the weights, counted once): the peak is where the largest of them is at --batch_size,
     which need not be where it is for a few samples. Scaled from the whole when it has one
     sample or the operations differ with the batch's size."""
-    amp_dtype, samples = AMP_DTYPES[cfg.amp], batch_size(batch)
+    amp_dtype, samples = AMP_DTYPES[cfg.amp], count_samples(batch)
     whole = activation_trace(model, batch, loss_fn, amp_dtype)
     half_samples = samples // 2
     half = tree_map_only(torch.Tensor, torch.clone, halves(batch)[0])  # its own storage, not the batch's

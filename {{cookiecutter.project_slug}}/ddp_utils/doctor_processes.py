@@ -20,7 +20,7 @@ from torch import distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from .contract import batch_size, model_inputs
+from .contract import count_samples, model_inputs
 from .dist import DistContext
 from .doctor_checks import check, differs, first_line, halves, whole
 from .doctor_equivalence import (
@@ -31,6 +31,7 @@ from .doctor_equivalence import (
     generators_kept,
     without_dropout,
 )
+from .files import write_atomically
 from .knobs import ConfigError
 from .optim import build_optimizer, clip_grad_norm
 from .strategy import build_module, build_strategy
@@ -51,7 +52,7 @@ def processes_check(build_model, batch, loss_fn, cfg):
     PROCESSES_TIMEOUT s). A model with torch's SyncBatchNorm, which DDP refuses on the CPU,
     gets warnings: doctor.py then checks it in one process (equivalence_check)."""
     shares = halves(batch)
-    if batch_size(shares[0]) == 0:
+    if count_samples(shares[0]) == 0:
         why = "not checked: the training set has fewer than 2 samples"
         return [check("1 vs 2 processes", "warn", why), check("sharded steps", "warn", why)]
     stages = {"gradients": dataclasses.replace(cfg, strategy="ddp", amp="none", comm_hook="none",
@@ -67,7 +68,7 @@ def processes_check(build_model, batch, loss_fn, cfg):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
         try:
-            full = tree_map_only(torch.Tensor, lambda t: t[: 2 * batch_size(shares[0])], batch)
+            full = tree_map_only(torch.Tensor, lambda t: t[: 2 * count_samples(shares[0])], batch)
             model = reference(
                 stages["gradients"], build_model, lambda m: loss_fn(m(model_inputs(full)), full).backward()
             )
@@ -114,7 +115,7 @@ STAGES = {  # what each stage of processes_check runs, for its rows
 def micro_batches(batch):
     """ACCUMULATION equal parts of `batch`, each split in halves between the ranks (an empty
     list where it is too small for that)."""
-    size = batch_size(batch) // (2 * ACCUMULATION)
+    size = count_samples(batch) // (2 * ACCUMULATION)
     if size == 0:
         return []
     return [tree_map_only(torch.Tensor, lambda t, i=i: t[i * 2 * size : (i + 1) * 2 * size], batch)
@@ -266,8 +267,7 @@ def rank_main(folder, rank):
                 result = {"parameter": params, "buffer": {n: whole(b) for n, b in strategy.module.named_buffers()}}
             strategy.close()
             if rank == 0:
-                torch.save(result, folder / f"{stage}.pt.partial")
-                (folder / f"{stage}.pt.partial").replace(folder / f"{stage}.pt")
+                write_atomically(folder / f"{stage}.pt", lambda f, result=result: torch.save(result, f))
         dist.destroy_process_group()
     except Exception as error:
         error = [stage, type(error).__name__, rank, first_line(error), time.time()]

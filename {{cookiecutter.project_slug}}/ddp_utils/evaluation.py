@@ -1,12 +1,13 @@
-"""Evaluation: the task's metrics (model.py's evaluation_sums and evaluation_metrics, or the
+"""Evaluation: the task's metrics (the Task's evaluation_sums and evaluation_metrics, or the
 contract's defaults) over exactly the whole validation set, the same numbers on every rank;
 and samples of the model's output while it trains (--sample_every_steps)."""
 
 import torch
 import torch.distributed as dist
 
-from .contract import batch_size, model_inputs, to_device
+from .contract import count_samples, model_inputs, to_device
 from .logs import warn_main
+from .precision import autocast
 
 
 class Validator:
@@ -29,7 +30,7 @@ class Validator:
         for batch, counted in validation_batches(self.loader, self.strategy.sharded, self.device):
             self.watchdog.beat("evaluation")
             batch = to_device(batch, self.device)
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            with autocast(self.device, self.amp_dtype):
                 output = model(model_inputs(batch))
             sums = self.task.evaluation_sums(output, batch)
             if names is None:
@@ -45,7 +46,7 @@ class Validator:
                     on_device[i] += value.detach().double().reshape(())
                 else:
                     on_host[i] += float(value)
-            samples += batch_size(batch)
+            samples += count_samples(batch)
         host = torch.tensor([*on_host, samples], dtype=torch.float64).to(self.device)  # one copy
         totals = torch.cat([on_device, on_device.new_zeros(1)]) + host
         dist.all_reduce(totals)  # sums and counts, not an average of per-rank averages
@@ -72,16 +73,17 @@ def validation_batches(loader, sharded, device):
         yield batch, False
 
 
-class Sampler:
-    """--sample_every_steps: the task's `sample_text(model, cfg)`, logged by rank 0 and sent to
+class TextSamples:
+    """--sample_every_steps: the task's `sample_text(model, cfg, data)`, logged by rank 0 and sent to
     the trackers. Training goes on as if it had not run: the random generators are restored,
     no gradient is kept, the model is back in training mode. Under ddp rank 0 alone runs the
     unwrapped model (no collective); under fsdp every rank runs it, as each forward all-gathers
     the shards."""
 
-    def __init__(self, cfg, ctx, task, strategy, reporter, amp_dtype):
+    def __init__(self, cfg, ctx, task, strategy, reporter, amp_dtype, data):
         self.cfg, self.device, self.strategy, self.reporter = cfg, ctx.device, strategy, reporter
         self.sample_text, self.amp_dtype = task.sample_text, amp_dtype
+        self.data = data  # the training set's data_state(): its tokenizer, say
         self.runs_here = ctx.is_main or strategy.sharded
 
     def at_step(self, step):
@@ -92,8 +94,8 @@ class Sampler:
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
-                with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                    text = self.sample_text(model, self.cfg)
+                with autocast(self.device, self.amp_dtype):
+                    text = self.sample_text(model, self.cfg, self.data)
         except Exception as error:  # noqa: BLE001 - the same on every rank that runs it: training goes on
             warn_main(f"--sample_every_steps: sample_text failed and is turned off: {type(error).__name__}: {error}")
             self.runs_here = False

@@ -143,11 +143,41 @@ def exit_now(code):
 class StepChecks:
     """What every optimizer step agrees on with the other ranks (a stop request, a non-finite
     loss or gradients, fp16's loss scale) and what the agreement decides: stop, go on, or a
-    `TrainingError` that names the knob to turn."""
+    `TrainingError` that names the knob to turn.
+
+    Every decision that ends or skips work is agreed by one small all-reduce per step, so no
+    rank stops alone while the others wait in the next all-reduce. It runs while the next step
+    is computed and is read one step later: the host never waits for the device. A stop
+    therefore takes effect one or two optimizer steps after the signal; a non-finite step is
+    caught one step later, before any checkpoint can hold it.
+    """
 
     def __init__(self, cfg, fp16):
         self.cfg, self.fp16 = cfg, fp16
         self.skipped_in_a_row = 0  # fp16 steps skipped for overflow, in a row
+        self.in_flight = None  # (step, dist.Agreement, this rank's flags) of the last step
+
+    def agree(self, step, agreement, flags, epoch):
+        """Keep optimizer step `step`'s agreement (`flags`, summed over the ranks by `agreement`)
+        in flight and act on the previous step's; returns whether all ranks agreed to stop."""
+        previous, self.in_flight = self.in_flight, (step, agreement, flags)
+        return self._decide(previous, epoch)
+
+    def read(self, epoch):
+        """Act on the last step's agreement now (before a checkpoint or the epoch's end)."""
+        previous, self.in_flight = self.in_flight, None
+        return self._decide(previous, epoch)
+
+    def _decide(self, in_flight, epoch):
+        if in_flight is None:
+            return False
+        step, agreement, flags = in_flight
+        return self.decide(agreement.result(), step, epoch)
+
+    def wait(self):
+        """Until no agreement of this rank is in flight (locally: no new collective)."""
+        if self.in_flight is not None:
+            self.in_flight[1].wait()
 
     def flags(self, stop_requested, loss_sum, norm, scale, new_scale):
         """The step's flags and values, for dist.Agreement (which sums them over the ranks):
@@ -185,10 +215,10 @@ class StepChecks:
 
 class ExitPath:
     """How a run ends, as an exit code, whatever it raised; `trainer` (set once built) is closed
-    on every path. Around the run in train.py:
+    on every path. Around the run in run.py:
 
         with ExitPath(ctx, cfg.timeout_seconds) as ending:
-            trainer = ending.trainer = Trainer(cfg, ctx)
+            trainer = ending.watch(Trainer(cfg, ctx, task, datasets))
             ...
         return ending.code
 
@@ -204,6 +234,11 @@ class ExitPath:
         self.ctx, self.timeout_seconds = ctx, timeout_seconds
         self.trainer = None  # needs .close(status), .checkpointer.wait(), .step, .watchdog.phase
         self.code = 0
+
+    def watch(self, trainer):
+        """`trainer`, closed on every way out of the block."""
+        self.trainer = trainer
+        return trainer
 
     def __enter__(self):
         return self

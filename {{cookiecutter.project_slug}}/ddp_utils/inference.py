@@ -1,5 +1,5 @@
-"""A trained model for inference in one process (sample.py, predict.py): the device, and the
-checkpoint read with one line for each way it can be wrong."""
+"""A trained model for inference in one process (the task's scripts that use one): the device,
+and the checkpoint read with one line for each way it can be wrong."""
 
 from pathlib import Path
 from types import SimpleNamespace

@@ -12,7 +12,7 @@ from dataclasses import field
 
 
 def knob(default, help, choices=None):
-    """A config field with its help text (and allowed values) for --help and the README."""
+    """A config field with its help text (and allowed values) for --help and docs/configuration.md."""
     return field(default=default, metadata={"help": help, "choices": choices})
 
 

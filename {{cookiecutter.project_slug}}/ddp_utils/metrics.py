@@ -1,5 +1,6 @@
 """What a run reports, on global rank 0 only: metrics.jsonl, the trackers, a progress bar, MFU,
-the step timing of each metrics line (`Period`) and the loss lines in between (`LossLog`).
+the step timing of each metrics line (`Period`), the loss lines in between (`LossLog`) and,
+without a progress bar, a line at least every --progress_every_seconds (`ProgressLine`).
 
 Nothing here calls a collective: the Trainer reduces the numbers first, then hands them over.
 """
@@ -12,119 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from .contract import build_on_meta, model_inputs
 from .dist import HostCopy
 from .logs import log, rank_zero_only, report
 from .trackers import open_trackers
-
-# Dense peak TFLOPS of one GPU (tensor cores without sparsity: half the sheets' sparse figures),
-# by the exact name torch.cuda.get_device_name() gives: bf16/fp16 tensor cores, TF32 tensor
-# cores, and plain FP32 (amp none with --tf32 false). Each from NVIDIA's data sheet for that
-# part. A name that is not here (a GPU without a data sheet, such as AWS's A10G, or a new one)
-# gets no MFU: set --peak_tflops.
-_H100_SXM = {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}  # H100 data sheet, SXM
-_H100_NVL = {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}  # H100 data sheet, NVL
-_A100 = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}  # A100 data sheet, SXM and PCIe alike
-_V100_SXM2 = {"bf16": 0.0, "fp16": 125.0, "tf32": 0.0, "fp32": 15.7}  # V100 data sheet: no bf16, no TF32
-_V100_PCIE = {"bf16": 0.0, "fp16": 112.0, "tf32": 0.0, "fp32": 14.0}
-PEAK_TFLOPS = {
-    "NVIDIA B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},  # HGX B200 data sheet, per GPU
-    "NVIDIA H200": _H100_SXM,  # H200 data sheet, SXM: the H100 SXM's tensor cores
-    "NVIDIA H200 NVL": _H100_NVL,  # H200 data sheet, NVL
-    "NVIDIA H100 80GB HBM3": _H100_SXM,
-    "NVIDIA H100 NVL": _H100_NVL,
-    "NVIDIA H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},  # H100 data sheet, PCIe
-    "NVIDIA A100-SXM4-40GB": _A100,
-    "NVIDIA A100-SXM4-80GB": _A100,
-    "NVIDIA A100-PCIE-40GB": _A100,
-    "NVIDIA A100 80GB PCIe": _A100,
-    "NVIDIA L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},  # L40S data sheet
-    "NVIDIA L40": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5},  # L40 data sheet
-    "NVIDIA L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},  # L4 data sheet
-    "NVIDIA A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},  # A10 data sheet
-    "Tesla V100-SXM2-16GB": _V100_SXM2,
-    "Tesla V100-SXM2-32GB": _V100_SXM2,
-    "Tesla V100-PCIE-16GB": _V100_PCIE,
-    "Tesla V100-PCIE-32GB": _V100_PCIE,
-    "Tesla T4": {"bf16": 0.0, "fp16": 65.0, "tf32": 0.0, "fp32": 8.1},  # T4 data sheet
-}
-
-
-def peak_tflops(device_name, amp, tf32, override=0.0):
-    """Peak TFLOPS of one device for this precision; 0.0 when unknown (MFU is then not reported).
-
-    amp none runs matmuls in TF32 when --tf32 is on and the GPU has it, else in plain FP32.
-    """
-    if override > 0:
-        return override
-    peaks = PEAK_TFLOPS.get(device_name.strip())
-    if peaks is None:
-        return 0.0
-    if amp != "none":
-        return peaks[amp]
-    return peaks["tf32"] if tf32 and peaks["tf32"] else peaks["fp32"]
-
-
-def flops_per_sample(cfg, task, batch):
-    """Training FLOPs (forward and backward) per sample, counted by PyTorch's FlopCounterMode.
-
-    The model is built on the meta device: no memory, no arithmetic, no random draws and no
-    state touched, yet every matmul, convolution and attention call is counted as it runs
-    (6 x parameters misses attention and convolutions, and counts embedding lookups).
-    `batch` is a batch of one training sample; `task` the contract's (contract.load_task).
-    A model that cannot be built on the meta device counts as 0 (no MFU is reported).
-    """
-    batch = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), batch)
-    model = build_on_meta(task.build_model, cfg)
-    if model is None:
-        return 0
-    # Evaluation mode: the model's own FLOPs, without activation checkpointing's recompute
-    # (MFU counts model FLOPs, not hardware FLOPs) or dropout.
-    model.eval()
-    with FlopCounterMode(display=False) as counter:
-        task.loss_fn(model(model_inputs(batch)), batch).backward()
-    return counter.get_total_flops()
-
-
-def mfu(flops_per_sample, samples_per_s, world_size, peak_tflops):
-    """Model FLOPs utilisation: achieved model FLOPs per device over the device's peak."""
-    if peak_tflops <= 0 or flops_per_sample <= 0:
-        return None
-    return flops_per_sample * samples_per_s / world_size / (peak_tflops * 1e12)
-
-
-@dataclass(frozen=True)
-class Throughput:
-    """What turns samples/s into tokens/s and MFU for this model, precision and device."""
-
-    flops_per_sample: float  # training FLOPs (flops_per_sample); 0 when not counted
-    tokens_per_sample: int  # predictions per sample (model.py's tokens_per_sample)
-    peak_tflops: float  # of one device; 0 when unknown
-    world_size: int
-
-    def metrics(self, samples_per_s):
-        """tokens_per_s for sequences, mfu where the device's peak is known."""
-        metrics = {}
-        if self.tokens_per_sample > 1:  # sequences: each sample holds many predictions
-            metrics["tokens_per_s"] = samples_per_s * self.tokens_per_sample
-        utilisation = mfu(self.flops_per_sample, samples_per_s, self.world_size, self.peak_tflops)
-        if utilisation is not None:
-            metrics["mfu"] = utilisation
-        return metrics
-
-
-def build_throughput(cfg, ctx, task, one_sample):
-    """The run's Throughput: FLOPs counted on a batch of `one_sample` (meta device), the GPU's
-    peak from its name (or --peak_tflops)."""
-    device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
-    return Throughput(
-        flops_per_sample=flops_per_sample(cfg, task, one_sample),
-        tokens_per_sample=task.tokens_per_sample(cfg),
-        peak_tflops=peak_tflops(device_name, cfg.amp, cfg.tf32, cfg.peak_tflops),
-        world_size=ctx.world_size,
-    )
 
 
 def peak_memory_mb(device):
@@ -165,12 +57,26 @@ class Period:
     data_wait_s: float = 0.0  # waiting for batches
     checkpoint_s: float = 0.0  # saving checkpoints (left out of throughput)
     window: tuple = None  # (time, samples trained, checkpoint_s) at the end of the period's first step
+    first_step: int = 0  # the optimizer step that opened the window
 
-    def open_window(self, samples):
+    def open_window(self, samples, step=0):
         # Throughput counts from the end of the period's first step: compile warm-up, worker
         # start-up and the first batches' latency stay out.
         if self.window is None:
             self.window = (time.perf_counter(), samples, self.checkpoint_s)
+            self.first_step = step
+
+    def seconds_per_step(self, step, now):
+        """Time per optimizer step in this period so far, counted as samples_per_s counts
+        (from the end of its first step, checkpoints left out); None before its first step."""
+        if self.window is None:
+            return None
+        opened, _, checkpoint_then = self.window
+        steps = step - self.first_step
+        if steps <= 0:  # the period's first step alone: the whole period
+            opened, checkpoint_then, steps = self.started, 0.0, 1
+        seconds = now - opened - (self.checkpoint_s - checkpoint_then)
+        return seconds / steps if seconds > 0 else None
 
     def samples_per_s(self, samples, now):
         opened, samples_then, checkpoint_then = self.window or (self.started, self.samples_at_start, 0.0)
@@ -192,13 +98,87 @@ class Period:
         }
 
 
+def progress_due(now, last_line, every, step_seconds=0.0):
+    """Whether rank 0 owes a progress line at `now`, as a step ends: the next step, if it takes
+    `step_seconds` like the ones before, would end `every` seconds (--progress_every_seconds,
+    0 = never) or more after its last line (`last_line`: the start of training or of a metrics
+    period, a loss line, or the last progress line). So no silence lasts longer than `every`
+    while steps keep their pace. Times are rank 0's own clock (perf_counter): nothing any rank
+    computes, and no collective, may depend on this."""
+    return every > 0 and now + step_seconds - last_line >= every
+
+
+def format_duration(seconds):
+    """12.3s, 4m05s, 2h07m."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes}m{int(seconds % 60):02d}s"
+    return f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def format_step_time(seconds):
+    return f"{seconds * 1000:.1f} ms/step" if seconds < 1 else f"{seconds:.2f} s/step"
+
+
+def progress_text(step, planned, loss, seconds_per_step):
+    """The progress line: step of the planned total, time per step and time left (both from
+    this metrics period's steps; evaluation and checkpoints not counted), the loss."""
+    parts = [f"progress: step {step}/{planned} ({100 * step / planned:.0f}%)" if planned else f"progress: step {step}"]
+    if seconds_per_step is not None:
+        parts.append(format_step_time(seconds_per_step))
+        if planned:
+            parts.append(f"{format_duration(max(planned - step, 0) * seconds_per_step)} left")
+    parts.append(f"loss {loss:.4f} (rank 0's last micro-batch)")
+    return ", ".join(parts)
+
+
+class ProgressLine:
+    """Without a progress bar (stdout not a terminal, or --progress_bar false), rank 0 is never
+    silent for long: at least every --progress_every_seconds a line with the step of the
+    planned total, the time per step, the time left and its own last micro-batch loss. A loss
+    line (--log_every_steps) or a metrics line counts as a line: none is added after one.
+
+    Rank 0's clock alone decides, as a step ends (progress_due); the line reads only what
+    rank 0 has (its loss, once a line) and calls no collective, so no rank computes anything
+    differently for it. On other ranks, and with a bar, `every` is 0: never. A failure here
+    turns the line off with a warning: it never stops training.
+    """
+
+    def __init__(self, every, clock=time.perf_counter):
+        self.every, self.clock = every, clock
+        self.last_line = clock()
+
+    def printed(self):
+        """Rank 0 printed a line just now (training or a metrics period started, a loss line)."""
+        self.last_line = self.clock()
+
+    def step_done(self, step, planned, loss, period):
+        """After optimizer step `step` of `planned` (0: unknown); `loss` this process's last
+        micro-batch loss (a tensor, read only when a line is due), `period` the Period."""
+        if not self.every:
+            return
+        try:
+            now = self.clock()
+            seconds_per_step = period.seconds_per_step(step, now)
+            if not progress_due(now, self.last_line, self.every, seconds_per_step or 0.0):
+                return
+            self.last_line = now
+            report("%s", progress_text(step, planned, loss.float().item(), seconds_per_step))
+        except Exception as error:  # only a log line: never a reason to stop training
+            self.every = 0
+            log.warning("--progress_every_seconds: the progress line failed and is turned off for this run: %s: %s",
+                        type(error).__name__, error)  # fmt: skip
+
+
 class LossLog:
     """Every --log_every_steps optimizer steps, a line with the step's loss, learning rate and
     gradient norm: copied off the device when the step ends, printed a step later, when the
     copy is done, so the host never waits for the device."""
 
-    def __init__(self, every, reporter):
-        self.every, self.reporter = every, reporter
+    def __init__(self, every, reporter, progress_line=None):
+        self.every, self.reporter, self.progress_line = every, reporter, progress_line
         self.pending = None  # (step, HostCopy of loss and gradient norm, lr, loss scale, samples/s)
 
     def due(self, step):
@@ -225,6 +205,8 @@ class LossLog:
             values["loss_scale"] = scale
         scale_text = "" if scale is None else f" loss_scale {scale:g}"
         report("step %d loss %.4f lr %.3g grad_norm %.3g%s", step, loss_value, lr, norm, scale_text)
+        if self.progress_line is not None:  # a line: no progress line is due for a while
+            self.progress_line.printed()
         self.reporter.train_loss(step, values, samples_per_s)
         self.pending = None
 
@@ -232,19 +214,25 @@ class LossLog:
 class Meter:
     """What the log lines and metrics lines report, measured on every rank and written by rank 0
     (Reporter): the period since the last metrics line (Period), each log step's loss line
-    (LossLog), tokens/s and MFU (Throughput). The trainer computes the agreed numbers (losses,
-    evaluation) with collectives; nothing here calls one."""
+    (LossLog), tokens/s and MFU (Throughput), and rank 0's progress line without a bar
+    (ProgressLine). The trainer computes the agreed numbers (losses, evaluation) with
+    collectives; nothing here calls one."""
 
     def __init__(self, cfg, ctx, reporter, throughput):
         self.device, self.reporter, self.throughput = ctx.device, reporter, throughput
-        self.loss_log = LossLog(cfg.log_every_steps, reporter)
+        # Rank 0 without a progress bar only: the bar shows all of it already.
+        every = cfg.progress_every_seconds if ctx.is_main and not reporter.progress else 0.0
+        self.progress_line = ProgressLine(every)
+        self.loss_log = LossLog(cfg.log_every_steps, reporter, self.progress_line)
         self.period = Period(time.perf_counter(), time.process_time(), 0)  # restarted when training starts
 
     def start_period(self, samples):
         """Measure what the next metrics line reports from now (`samples` trained so far): time,
-        and the peak of memory."""
+        and the peak of memory. Training starts, or a metrics line was just written: the next
+        progress line is due --progress_every_seconds from now."""
         reset_peak_memory(self.device)
         self.period = Period(time.perf_counter(), time.process_time(), samples)
+        self.progress_line.printed()
 
     def waited_for_data(self, seconds):
         self.period.data_wait_s += seconds
@@ -258,9 +246,11 @@ class Meter:
 
     def step_done(self, step, samples, loss, norm, scale, lr):
         """After optimizer step `step`, `samples` trained: throughput counts from the end of the
-        period's first step; the loss line is kept back a step (LossLog)."""
-        self.period.open_window(samples)
+        period's first step; the loss line is kept back a step (LossLog); rank 0 prints a
+        progress line if none was printed for --progress_every_seconds (ProgressLine)."""
+        self.period.open_window(samples, step)
         self.loss_log.record(step, loss, norm, scale, lr, self.period.samples_per_s(samples, time.perf_counter()))
+        self.progress_line.step_done(step, self.reporter.planned_steps, loss, self.period)
 
     def end_epoch(self):
         """The last step's loss line, if it is due; the progress bar closes."""
@@ -297,6 +287,8 @@ class Reporter:
         self.bar = None
         # A bar only for a person watching: not in CI logs, files or other ranks' output.
         self.progress = cfg.progress_bar and ctx.is_main and sys.stdout.isatty()
+        self.max_steps = cfg.max_steps
+        self.planned_steps = 0  # optimizer steps the run trains in all, once training starts (rank 0)
 
     @rank_zero_only
     def open_trackers(self, cfg, resumed_step):
@@ -358,6 +350,8 @@ class Reporter:
 
     @rank_zero_only
     def start_epoch(self, epoch, epochs, steps, done):
+        """Epoch `epoch` of `epochs` starts, `done` of its `steps` optimizer steps done already."""
+        self.planned_steps = self.max_steps or epochs * steps  # max_steps, when set, ends the run
         if self.progress:
             from tqdm import tqdm
 

@@ -13,7 +13,7 @@ def build_optimizer(model, cfg, device):
     torchtitan (decaying a LayerNorm gain towards 0 fights what it is there for). The fused
     implementation, one kernel for all parameters (FSDP2's DTensors included), on GPUs and on
     the CPU too, where torch would otherwise loop over them in Python (the template's
-    BENCHMARKS.md: 3.6% of a small GPT's throughput)."""
+    the template's benchmarks: 3.6% of a small GPT's throughput)."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": cfg.weight_decay},

@@ -8,7 +8,7 @@
   (HSDP): each replica shards over its own processes, so the all-gathers stay inside a node,
   and only the gradient shards are all-reduced between replicas.
 
-train.py uses only what both offer (`model`, `module`, `name`, `sharded`, `sync_gradients`,
+The Trainer uses only what both offer (`model`, `module`, `name`, `sharded`, `sync_gradients`,
 `clip_gradients`, `save`, `load`, `wait_for_checkpoint` and `close`), so the training loop is
 one loop. The weights start the same under both, as the model's own code makes them
 (`build_module`), or from pretrained weights (`load_full_weights`).
@@ -17,7 +17,6 @@ one loop. The weights start the same under both, as the model's own code makes t
 import contextlib
 import copy
 import functools
-import inspect
 import zlib
 from collections import Counter
 from datetime import timedelta
@@ -29,23 +28,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint_files import read_sharded_state, regroup_optimizer_state, save_checkpoint, save_sharded_checkpoint
+from .compat import BUFFER_SYNC, stager_reusable
 from .contract import build_on_meta
 from .data import mix_seed
 from .faults import CheckpointError, TrainingError
 from .knobs import ConfigError
 from .optim import clip_grad_norm
-
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
-
-
-def buffer_sync_setting(ddp_settings):
-    """The name of DDP's setting for sending rank 0's buffers before each forward, among the
-    names of its settings: torch 2.13 renamed it (the old name warns there); older releases
-    know only broadcast_buffers."""
-    return "forward_sync_buffers" if "forward_sync_buffers" in ddp_settings else "broadcast_buffers"
-
-
-BUFFER_SYNC = buffer_sync_setting(inspect.signature(DDP).parameters)
+from .precision import AMP_DTYPES
 
 
 def build_strategy(cfg, ctx, build_model):
@@ -339,16 +328,6 @@ class FSDPStrategy:
         if "model" in state:
             raise CheckpointError(f"checkpoint {path} is one file (--strategy ddp): resume it with --strategy ddp")
         read_sharded_state(self.model, optimizer, path, self.checkpoint_group)
-
-
-def stager_reusable(stager_class):
-    """Whether one DCP stager can stage save after save, into the same buffers. torch 2.11's
-    DefaultStager cannot: its stage ends by closing its state-dict stager, which empties the
-    cache the next stage reads (KeyError); newer releases keep it."""
-    try:
-        return "self._state_dict_stager.close()" not in inspect.getsource(stager_class._stage)
-    except (OSError, TypeError):  # no source to read: a new stager for each save is safe anyway
-        return False
 
 
 def hsdp_replicas(cfg, ctx):

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from .checkpoint_files import write_atomically
+from .files import write_atomically
 from .logs import log
 
 

@@ -27,9 +27,10 @@ import torch
 PROJECT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT))
 
-import task  # noqa: E402 (tests/task.py: what the tests must know of this project's data)
+import task_settings  # noqa: E402 (tests/task_settings.py: what the tests must know of this project's data)
 
-from config import Config, parse_config  # noqa: E402
+from config import Config  # noqa: E402
+from ddp_utils.configuration import parse_config  # noqa: E402
 
 # Small and fast: every test trains for real, so keep the task tiny: 1024 training and 256
 # validation samples, a tiny model, a global batch of 64 (16 steps an epoch) with 2 processes.
@@ -40,7 +41,7 @@ atexit.register(shutil.rmtree, DATA, ignore_errors=True)
 def config_flags(path):
     """The flags that set what a config file sets (but its output_dir): the tests add their
     own flags after them, and some pass --config themselves."""
-    cfg, defaults = parse_config(["--config", str(path)], resolve=False), Config()
+    cfg, defaults = parse_config(Config, ["--config", str(path)], resolve=False), Config()
     changed = [f.name for f in dataclasses.fields(Config) if getattr(cfg, f.name) != getattr(defaults, f.name)]
     values = {name: getattr(cfg, name) for name in changed if name != "output_dir"}
     return [text for name, value in values.items() for text in (f"--{name}", flag_text(value))]
@@ -53,8 +54,13 @@ def flag_text(value):
 
 # The task's smallest model (experiments/tiny.toml: its sizes and lr), on the shared sizes.
 TINY = ["--train_samples", "1024", "--val_samples", "256", "--batch_size", "32", "--epochs", "2"]
-TINY += ["--log_every_steps", "0", *config_flags(PROJECT / "experiments" / "tiny.toml"), *task.prepare_data(DATA)]
-TINY_CONFIG = parse_config(TINY, resolve=False)  # the config of a TINY run (nothing read from the data)
+TINY += [
+    "--log_every_steps",
+    "0",
+    *config_flags(PROJECT / "experiments" / "tiny.toml"),
+    *task_settings.prepare_data(DATA),
+]
+TINY_CONFIG = parse_config(Config, TINY, resolve=False)  # the config of a TINY run (nothing read from the data)
 LR = TINY_CONFIG.lr  # the peak lr of TINY runs
 
 

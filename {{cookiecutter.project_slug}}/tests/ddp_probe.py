@@ -1,4 +1,5 @@
-"""Run train.py's `main` with one fault or instrument installed (tests only).
+"""Run the training (ddp_utils.trainer.main) of the task with one fault or instrument installed
+(tests only).
 
     torchrun --nproc_per_node=2 tests/ddp_probe.py PROBE[,PROBE...] [train.py arguments]
     python tests/ddp_probe.py PROBE[,PROBE...] [train.py arguments]
@@ -21,10 +22,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import dataset  # noqa: E402
-import model  # noqa: E402
-import train  # noqa: E402
-from ddp_utils import contract, faults, strategy  # noqa: E402
+import task  # noqa: E402
+from ddp_utils import faults, run, strategy, trainer  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
 LAST_RANK = int(os.environ.get("WORLD_SIZE", 1)) - 1
@@ -35,18 +34,20 @@ def training_call(loss):
     return torch.is_grad_enabled() and loss.device.type != "meta"
 
 
+def change_task(**hooks):
+    """The task the run trains (task.TASK) with `hooks` replaced."""
+    task.TASK = task.TASK.replace(**hooks)
+
+
 def wrap_loss(wrapper):
-    """Replace the task's loss (model.py's loss_fn, or the contract's default, which
-    contract.load_task reads when the Trainer starts) with `wrapper(loss)`: whatever the loss."""
-    if hasattr(model, "loss_fn"):
-        model.loss_fn = wrapper(model.loss_fn)
-    else:
-        contract.cross_entropy = wrapper(contract.cross_entropy)
+    """Replace the task's training loss (its own loss_fn or the contract's default) with
+    `wrapper(loss)`: whatever the loss."""
+    change_task(loss_fn=wrapper(task.TASK.loss_fn))
 
 
 def wrap_build_model(wrapper):
-    """Replace model.py's build_model with `wrapper(build_model)`."""
-    model.build_model = wrapper(model.build_model)
+    """Replace the task's build_model with `wrapper(build_model)`."""
+    change_task(build_model=wrapper(task.TASK.build_model))
 
 
 class InfiniteGradient(torch.autograd.Function):
@@ -128,7 +129,7 @@ def overflow_from_step3():
 def fail_on_rank1():
     """Rank 1 alone raises an unexpected error in its 3rd micro-step; rank 0 goes on into the
     gradient all-reduce and finds its peer gone."""
-    original = train.Trainer.train_step
+    original = trainer.Trainer.train_step
     calls = []
 
     def run_batch(self, *args, **kwargs):
@@ -137,7 +138,7 @@ def fail_on_rank1():
             raise ValueError("injected failure on rank 1")
         return original(self, *args, **kwargs)
 
-    train.Trainer.train_step = run_batch
+    trainer.Trainer.train_step = run_batch
 
 
 def slow_loss():
@@ -188,7 +189,7 @@ def slow_checkpoint_write():
 
 def stop_on_rank1():
     """Rank 1 alone sees a stop request (as from SIGTERM) after its 3rd micro-step."""
-    original = train.Trainer.train_step
+    original = trainer.Trainer.train_step
     calls = []
 
     def run_batch(self, *args, **kwargs):
@@ -198,7 +199,7 @@ def stop_on_rank1():
             self.stop.signum = 15
         return loss
 
-    train.Trainer.train_step = run_batch
+    trainer.Trainer.train_step = run_batch
 
 
 def unused_param():
@@ -222,7 +223,7 @@ def eval_only():
     def evaluate(self):
         probe_print(**self.evaluate())
 
-    train.Trainer.train = evaluate
+    trainer.Trainer.train = evaluate
 
 
 def on_clip(record):
@@ -268,7 +269,7 @@ def record_gradient_memory():
     this process held afterwards, in parameter shards' units: its gradients (under fsdp, their
     local shards) and any unsharded gradient FSDP2 keeps aside to accumulate (1.0: a shard's
     worth; 2.0 on 2 processes: the whole model's)."""
-    original = train.Trainer.train_step
+    original = trainer.Trainer.train_step
     held = []
 
     def local(tensor):
@@ -291,14 +292,14 @@ def record_gradient_memory():
             held.append(elements / sum(local(p).numel() for p in self.parameters))
         return loss
 
-    train.Trainer.train_step = train_step
+    trainer.Trainer.train_step = train_step
     return lambda: probe_print(gradient_memory=max(held, default=None))
 
 
 def count_scale_reads():
     """Print how many times an optimizer step read fp16's loss scale to the host
     (GradScaler.get_scale, a wait for the GPU each time)."""
-    original_step, original_get_scale = train.Trainer.optimizer_step, torch.amp.GradScaler.get_scale
+    original_step, original_get_scale = trainer.Trainer.optimizer_step, torch.amp.GradScaler.get_scale
     reads, inside = [0], [False]
 
     def optimizer_step(self):
@@ -312,19 +313,19 @@ def count_scale_reads():
         reads[0] += inside[0]
         return original_get_scale(self)
 
-    train.Trainer.optimizer_step, torch.amp.GradScaler.get_scale = optimizer_step, get_scale
+    trainer.Trainer.optimizer_step, torch.amp.GradScaler.get_scale = optimizer_step, get_scale
     return lambda: probe_print(scale_reads_in_steps=reads[0])
 
 
 def slow():
     """Sleep 50 ms per micro-step, so a test can signal or kill processes mid-run."""
-    original = train.Trainer.train_step
+    original = trainer.Trainer.train_step
 
     def run_batch(self, *args, **kwargs):
         time.sleep(0.05)
         return original(self, *args, **kwargs)
 
-    train.Trainer.train_step = run_batch
+    trainer.Trainer.train_step = run_batch
 
 
 def crash_in_checkpoint_write():
@@ -356,7 +357,7 @@ def with_dropout():
 
 def stall_rank1():
     """Rank 1 alone stops making progress (300 s) in its 3rd micro-step, as a stuck data read would."""
-    original = train.Trainer.train_step
+    original = trainer.Trainer.train_step
     calls = []
 
     def run_batch(self, *args, **kwargs):
@@ -365,7 +366,7 @@ def stall_rank1():
             time.sleep(300)
         return original(self, *args, **kwargs)
 
-    train.Trainer.train_step = run_batch
+    trainer.Trainer.train_step = run_batch
 
 
 def count_compressed_bytes():
@@ -385,7 +386,7 @@ def count_compressed_bytes():
 def record_initial_weights():
     """Rank 0 saves the whole model as training starts (gathered from the shards under fsdp)
     to <output_dir>/initial_weights.pt."""
-    original = train.Trainer.resume
+    original = trainer.Trainer.resume
 
     def resume(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -395,20 +396,20 @@ def record_initial_weights():
             torch.save(weights, Path(self.cfg.output_dir) / "initial_weights.pt")
         return original(self)
 
-    train.Trainer.resume = resume
+    trainer.Trainer.resume = resume
 
 
 def single_param_group():
     """The optimizer of earlier versions: AdamW with one group, weight decay on every parameter
     (checkpoints written this way must still resume)."""
 
-    original = train.build_optimizer
+    original = trainer.build_optimizer
 
     def build_optimizer(model, cfg, device):
         fused = original(model, cfg, device).defaults["fused"]  # this version's implementation: only the groups differ
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
-    train.build_optimizer = build_optimizer
+    trainer.build_optimizer = build_optimizer
 
 
 def record_staging():
@@ -430,7 +431,7 @@ def record_staging():
 
 def record_mesh():
     """Print rank 0's device-mesh groups under fsdp: the ranks and collective timeout of each."""
-    original = train.Trainer.resume
+    original = trainer.Trainer.resume
 
     def resume(self):
         mesh = self.strategy.mesh
@@ -442,7 +443,7 @@ def record_mesh():
         probe_print(mesh=groups)
         return original(self)
 
-    train.Trainer.resume = resume
+    trainer.Trainer.resume = resume
 
 
 def children_after_close():
@@ -450,14 +451,14 @@ def children_after_close():
     has closed, and how long closing took."""
     import multiprocessing
 
-    original = train.Trainer.close
+    original = trainer.Trainer.close
 
     def close(self, status):
         started = time.perf_counter()
         original(self, status)
         probe_print(children=len(multiprocessing.active_children()), close_s=time.perf_counter() - started)
 
-    train.Trainer.close = close
+    trainer.Trainer.close = close
 
 
 def float64():
@@ -467,8 +468,8 @@ def float64():
     turns rounding noise in near-zero gradients (an attention key bias, a BatchNorm bias) into
     whole steps that depend on the order of the sums."""
     torch.set_default_dtype(torch.float64)
-    build_datasets = dataset.build_datasets
-    dataset.build_datasets = lambda cfg: tuple(InFloat64(d) for d in build_datasets(cfg))
+    build_datasets = task.TASK.build_datasets
+    change_task(build_datasets=lambda cfg: tuple(InFloat64(d) for d in build_datasets(cfg)))
 
 
 class Wrapped(torch.utils.data.Dataset):
@@ -507,13 +508,13 @@ BAD_SAMPLES = {"training": {3, 10, 17}, "validation": {5}}
 def bad_samples():
     """Samples 3, 10 and 17 of the training set and 5 of the validation set are bad, as a
     dataset's `check_samples` finds them (contract.py); each rank is asked about its share."""
-    build_datasets = dataset.build_datasets
+    build_datasets = task.TASK.build_datasets
 
     def with_bad_samples(cfg):
         train, val = build_datasets(cfg)
         return WithBadSamples(train, BAD_SAMPLES["training"]), WithBadSamples(val, BAD_SAMPLES["validation"])
 
-    dataset.build_datasets = with_bad_samples
+    change_task(build_datasets=with_bad_samples)
 
 
 class WithBadSamples(Wrapped):
@@ -552,7 +553,7 @@ PROBES = {
 
 if __name__ == "__main__":
     finishes = [PROBES[name]() for name in sys.argv[1].split(",")]  # "a,b": both probes
-    code = train.main(sys.argv[2:])
+    code = run.main(task.TASK, sys.argv[2:])
     for finish in finishes:
         if finish:
             finish()

@@ -6,8 +6,7 @@ Python imports `sitecustomize` at start-up from any folder on PYTHONPATH, so a t
     PYTHONPATH=tests DDP_PROBE=slow_checkpoint_write[,another] scripts/launch.sh ...
 
 and each worker (torchrun sets LOCAL_RANK; torchrun itself has none) installs the probe before
-train.py runs. Probes used this way patch torch or the task's functions, not train.py's classes: train.py runs as
-__main__, not as the `train` module the probe imports (model.py and ddp_utils/contract.py are shared).
+train.py runs: it patches ddp_utils' classes or the task (task.TASK), which train.py then imports.
 
 It also makes every Python process of a test answer as on a machine with a GPU, which this
 CPU machine is not (the GPU host's code paths, whatever the process: torchrun's workers, the

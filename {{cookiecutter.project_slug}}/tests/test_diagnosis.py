@@ -10,9 +10,8 @@ import pytest
 import torch
 from conftest import PROJECT, TINY, run_training, training_env
 
-import preflight
 from config import Config
-from ddp_utils import comm_model, dist, faults
+from ddp_utils import comm_model, dist, faults, preflight_checks
 
 
 @pytest.mark.fixed_amp
@@ -70,12 +69,12 @@ def test_each_process_trains_on_the_gpu_it_was_given(monkeypatch):
     """LOCAL_RANK picks among the GPUs a process sees; when a scheduler shows each process only
     its own GPU (srun --gpus-per-task=1), that one is cuda:0 whatever LOCAL_RANK is."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert dist.pick_device(3) == torch.device("cuda", 0)
+    assert dist.local_gpu(3) == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert dist.pick_device(3) == torch.device("cuda", 3)
+    assert dist.local_gpu(3) == torch.device("cuda", 3)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(RuntimeError, match="LOCAL_RANK 3 but this process sees 2 GPUs"):
-        dist.pick_device(3)
+        dist.local_gpu(3)
 
 
 # --- a GPU job never trains on the CPU by accident --------------------------------------------
@@ -194,7 +193,7 @@ def test_the_preflight_names_processes_that_share_one_gpu():
     store, seen = torch.distributed.HashStore(), {}
 
     def report(local_rank, gpu):
-        seen[local_rank] = preflight.node_gpus(store, "node0", local_rank, 2, gpu, timedelta(seconds=30))
+        seen[local_rank] = preflight_checks.node_gpus(store, "node0", local_rank, 2, gpu, timedelta(seconds=30))
 
     threads = [threading.Thread(target=report, args=(rank, "NVIDIA H100 GPU-a1")) for rank in (0, 1)]
     for thread in threads:
@@ -202,14 +201,14 @@ def test_the_preflight_names_processes_that_share_one_gpu():
     for thread in threads:
         thread.join(60)
     assert seen == {0: {0: "NVIDIA H100 GPU-a1", 1: "NVIDIA H100 GPU-a1"}, 1: seen[0]}
-    problem = preflight.shared_gpu_problem(seen[0], "node0")
+    problem = preflight_checks.shared_gpu_problem(seen[0], "node0")
     assert problem.startswith("local ranks 0 and 1 on node0 would all train on one GPU, NVIDIA H100 GPU-a1")
     fix = "Set NPROC_PER_NODE=1, or show each process its own GPU (CUDA_VISIBLE_DEVICES)"
     assert problem.endswith(f"(NCCL stops with 'Duplicate GPU detected'): 2 processes for 1 GPU(s). {fix}")
     # A wrapper that gives each process its own CUDA_VISIBLE_DEVICES, and one of them twice.
-    problem = preflight.shared_gpu_problem({0: "GPU-a", 1: "GPU-b", 2: "GPU-a"}, "node1")
+    problem = preflight_checks.shared_gpu_problem({0: "GPU-a", 1: "GPU-b", 2: "GPU-a"}, "node1")
     assert problem.startswith("local ranks 0 and 2 on node1 would all train on one GPU, GPU-a ") and "=2," in problem
-    assert preflight.shared_gpu_problem({0: "GPU-a", 1: "GPU-b"}, "node0") is None
+    assert preflight_checks.shared_gpu_problem({0: "GPU-a", 1: "GPU-b"}, "node0") is None
 
 
 def test_bus_bandwidth_follows_nccl_tests():
@@ -261,17 +260,17 @@ ip-172-31-12-21:45361:45361 [0] NCCL INFO Using network Socket
 
 
 def test_the_preflight_names_the_network_nccl_chose():
-    ib = preflight.nccl_transport(NCCL_IB)
+    ib = preflight_checks.nccl_transport(NCCL_IB)
     assert ib.startswith("IB (NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB") and ib.endswith("GPUDirect RDMA")
-    socket = preflight.nccl_transport(NCCL_SOCKET)
+    socket = preflight_checks.nccl_transport(NCCL_SOCKET)
     assert socket.startswith("Socket (NET/Socket : Using [0]ens3:172.31.12.21<0>): TCP, no InfiniBand")
-    assert preflight.nccl_transport("NCCL INFO cudaDriverVersion 12080\n") is None
+    assert preflight_checks.nccl_transport("NCCL INFO cudaDriverVersion 12080\n") is None
 
 
 def test_place_checks_catch_inconsistent_launch_variables(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(preflight.PreflightError, match="outside WORLD_SIZE"):
-        preflight.check_place({"RANK": 4, "LOCAL_RANK": 0, "WORLD_SIZE": 4})
-    with pytest.raises(preflight.PreflightError, match="no multiple"):
-        preflight.check_place({"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 3})
-    assert "rank 1 of 4" in preflight.check_place({"RANK": 1, "LOCAL_RANK": 1, "WORLD_SIZE": 4})
+    with pytest.raises(preflight_checks.PreflightError, match="outside WORLD_SIZE"):
+        preflight_checks.check_place({"RANK": 4, "LOCAL_RANK": 0, "WORLD_SIZE": 4})
+    with pytest.raises(preflight_checks.PreflightError, match="no multiple"):
+        preflight_checks.check_place({"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 3})
+    assert "rank 1 of 4" in preflight_checks.check_place({"RANK": 1, "LOCAL_RANK": 1, "WORLD_SIZE": 4})

@@ -2,7 +2,6 @@
 is for is named, injected into small models in this process."""
 
 import copy
-import dataclasses
 import inspect
 import json
 import os
@@ -16,10 +15,10 @@ from conftest import PROJECT, TINY, descendants, gpu_host, training_env
 from doctor_models import Normed, fails_on_rank1, linear, loss_fn, loss_per_class_present, normed, renormed
 from torch import nn
 
-import doctor
-from config import parse_config
-from ddp_utils import doctor_checks, doctor_equivalence, doctor_memory, doctor_processes
-from ddp_utils.contract import load_task
+from config import Config
+from ddp_utils import doctor, doctor_checks, doctor_equivalence, doctor_memory, doctor_processes
+from ddp_utils.configuration import parse_config
+from task import TASK
 
 
 def test_the_shipped_task_passes_the_doctor(tmp_path):
@@ -66,10 +65,8 @@ class WithUnused(nn.Module):
 def test_a_fail_exits_1_and_bad_input_2(tmp_path, monkeypatch, capsys):
     """The task's model and data with an unused parameter: the report names it and the exit
     status is 1. A bad doctor flag or train.py flag: one error line, exit status 2."""
-    task = load_task()
-    wrapped = dataclasses.replace(task, build_model=lambda cfg: WithUnused(task.build_model(cfg)))
-    monkeypatch.setattr(doctor, "load_task", lambda: wrapped)
-    assert doctor.main([*TINY, "--output_dir", str(tmp_path)]) == 1
+    wrapped = TASK.replace(build_model=lambda cfg: WithUnused(TASK.build_model(cfg)))
+    assert doctor.main(wrapped, [*TINY, "--output_dir", str(tmp_path)]) == 1
     rows = {row["check"]: row for row in json.loads((tmp_path / "doctor.json").read_text())["checks"]}
     assert rows["unused parameters"]["status"] == "fail" and "unused.weight" in rows["unused parameters"]["summary"]
     for flags, error in [(["--nodes", "0"], "--nodes 0: must be positive"), (["--lr", "-1"], "--lr")]:
@@ -80,7 +77,7 @@ def test_a_fail_exits_1_and_bad_input_2(tmp_path, monkeypatch, capsys):
 
 
 def cfg_for(*flags):
-    return parse_config([*TINY, "--output_dir", "unused", *flags], resolve=False)
+    return parse_config(Config, [*TINY, "--output_dir", "unused", *flags], resolve=False)
 
 
 class Faulty(nn.Module):
@@ -202,22 +199,24 @@ PEAK = """
 import json, sys
 import torch
 from torch.utils._pytree import tree_map_only
-import doctor
-from config import parse_config
-from ddp_utils import doctor_memory
-from ddp_utils.contract import batch_size, model_inputs
+from config import Config
+from ddp_utils import doctor, doctor_memory
+from ddp_utils.configuration import parse_config
+from task import TASK
+from ddp_utils.contract import count_samples, model_inputs
 
 flags, amp = json.loads(sys.argv[1]), sys.argv[2]
-task, model, small, _ = doctor.build(parse_config(flags))
+task = TASK
+model, small, _ = doctor.build(task, parse_config(Config, flags))
 
 
 def planned(samples):
-    cfg = parse_config([*flags, "--amp", amp, "--batch_size", str(samples)])
+    cfg = parse_config(Config, [*flags, "--amp", amp, "--batch_size", str(samples)])
     return doctor_memory.activations_at(model, small, task.loss_fn, cfg)
 
 
 size = int(256e6 * 1000 / (planned(1001) - planned(1))) + 1  # samples for 256 MB or so
-repeats = -(-size // batch_size(small))
+repeats = -(-size // count_samples(small))
 batch = tree_map_only(torch.Tensor, lambda t: torch.cat([t] * repeats)[:size], small)
 
 
@@ -389,7 +388,7 @@ class RankedData(torch.utils.data.Dataset):
     "where, status", [("built", "fail"), ("read", "fail"), ("nowhere", "pass"), ("nan", "pass"), ("barrier", "warn")]
 )
 def test_data_that_depends_on_the_rank_is_found(where, status):
-    task = dataclasses.replace(load_task(), build_datasets=lambda cfg: (RankedData(where), RankedData(where)))
+    task = TASK.replace(build_datasets=lambda cfg: (RankedData(where), RankedData(where)))
     row = doctor_equivalence.rank_data_check(task, cfg_for())
     assert row["status"] == status, row
     assert "RANK" not in os.environ and not torch.distributed.is_initialized()  # as they were
@@ -431,7 +430,7 @@ class Augmented(torch.utils.data.Dataset):
     ],
 )
 def test_a_resume_that_reads_other_data_is_found(data, workers, status):
-    task = dataclasses.replace(load_task(), build_datasets=lambda cfg: (Augmented(**data), Augmented(**data)))
+    task = TASK.replace(build_datasets=lambda cfg: (Augmented(**data), Augmented(**data)))
     before = set(descendants(os.getpid()))
     row = doctor_equivalence.data_position_check(task, cfg_for("--num_workers", str(workers), "--persistent_workers",
                                                                "true"))  # fmt: skip

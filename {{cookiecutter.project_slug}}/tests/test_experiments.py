@@ -20,9 +20,10 @@ from conftest import (
     run_training,
 )
 
-from config import Config, parse_config
-from ddp_utils.contract import load_task
+from config import Config
+from ddp_utils.configuration import parse_config
 from ddp_utils.metrics import Reporter
+from task import TASK
 
 pytestmark = pytest.mark.fixed_amp
 
@@ -39,11 +40,13 @@ def test_file_over_defaults_and_flags_over_file(tmp_path):
         tmp_path / "exp.toml",
         'lr = 0.01\noutput_dir = "runs/exp"\n\n[optimisation]\nbatch_size = 32\nwarmup_steps = 3\nweight_decay = 0\n',
     )
-    cfg = parse_config(["--config", path, "--warmup_steps", "5"], resolve=False)
+    cfg = parse_config(Config, ["--config", path, "--warmup_steps", "5"], resolve=False)
     assert (cfg.lr, cfg.output_dir, cfg.batch_size, cfg.warmup_steps) == (0.01, "runs/exp", 32, 5)
     assert cfg.weight_decay == 0.0 and isinstance(cfg.weight_decay, float)  # an integer where a float goes
     assert cfg.epochs == Config().epochs  # not in the file: the default
-    assert parse_config(["--lr", "0.5", "--config", path], resolve=False).lr == 0.5  # flags win wherever they are
+    assert (
+        parse_config(Config, ["--lr", "0.5", "--config", path], resolve=False).lr == 0.5
+    )  # flags win wherever they are
 
 
 @pytest.mark.parametrize(
@@ -71,7 +74,7 @@ def test_file_over_defaults_and_flags_over_file(tmp_path):
 def test_bad_file_is_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
     path = write(tmp_path / "bad.toml", text)
     with pytest.raises(SystemExit) as exit_info:
-        parse_config(["--config", path], resolve=False)
+        parse_config(Config, ["--config", path], resolve=False)
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == f"error: --config {path}: {message}"
@@ -89,7 +92,7 @@ def test_unreadable_file_and_removed_flag_are_one_line(tmp_path, capsys):
         (["--config="], "--config needs the path of a TOML file"),
     ]:
         with pytest.raises(SystemExit):
-            parse_config(args, resolve=False)
+            parse_config(Config, args, resolve=False)
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith(f"error: {message}"), line
 
@@ -98,13 +101,13 @@ def test_resolved_config_file_reads_back_to_the_same_config(tmp_path):
     hostile = 'runs/ünï "quoted" back\\slash \t tab \x7f del \U0001f600'
     cfg = Config(output_dir=hostile, lr=1e-5, max_grad_norm=0.25, tracker="tensorboard,mlflow", compile=True)
     path = write(tmp_path / "config.toml", cfg.to_toml())
-    assert parse_config(["--config", path], resolve=False) == cfg
+    assert parse_config(Config, ["--config", path], resolve=False) == cfg
 
 
 @pytest.mark.parametrize("name", ["quick_cpu.toml", "multinode_gpu.toml"])
 def test_example_experiments_are_valid_configs(name):
     path = PROJECT / "experiments" / name
-    cfg = parse_config(["--config", str(path)], resolve=False)
+    cfg = parse_config(Config, ["--config", str(path)], resolve=False)
     assert cfg.output_dir.startswith("runs/")
     assert (cfg.amp == "none") == (name == "quick_cpu.toml")  # CPUs run float32; the GPU example, mixed precision
 
@@ -125,7 +128,7 @@ def test_resolved_config_alone_reproduces_the_run(one_node_run, tmp_path):
 TRACKED = ["--tracker", "tensorboard,wandb,mlflow", "--log_every_steps", "2", "--amp", "fp16"]
 TRACKED += ["--eval_every_steps", "4", "--profile_steps", "5:7"]
 # Text samples, where model.py can make them (sample_text): at steps 4 and 8.
-SAMPLES = bool(load_task().sample_text)
+SAMPLES = bool(TASK.sample_text)
 TRACKED += ["--sample_every_steps", "4"] if SAMPLES else []
 
 

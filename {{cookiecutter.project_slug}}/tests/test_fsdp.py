@@ -29,16 +29,16 @@ from conftest import (
 )
 from torch.distributed.checkpoint.staging import DefaultStager
 
-import doctor
-import export
-import model
-from config import Config, parse_config
-from ddp_utils import doctor_memory
+from config import Config
+from ddp_utils import doctor, doctor_memory, export
 from ddp_utils.checkpoint_files import check_sharded_checkpoint
-from ddp_utils.contract import load_task, model_inputs
+from ddp_utils.compat import stager_reusable
+from ddp_utils.configuration import parse_config
+from ddp_utils.contract import model_inputs
 from ddp_utils.dist import DistContext
 from ddp_utils.knobs import ConfigError
-from ddp_utils.strategy import build_module, hsdp_replicas, mesh_group_settings, stager_reusable
+from ddp_utils.strategy import build_module, hsdp_replicas, mesh_group_settings
+from task import TASK
 
 pytestmark = pytest.mark.fixed_amp  # comparisons need --amp none
 
@@ -133,9 +133,9 @@ def runs(tmp_path_factory):
 def final_weights(output_dir):
     """The whole model of a run's newest checkpoint (one file, or gathered from its shards)."""
     checkpoints = output_dir / "checkpoints"
-    return export.consolidated(checkpoints / "last.pt" if (checkpoints / "last.pt").exists() else checkpoints / "last")[
-        "model"
-    ]
+    return export.consolidated(
+        TASK, checkpoints / "last.pt" if (checkpoints / "last.pt").exists() else checkpoints / "last"
+    )["model"]
 
 
 def assert_close_weights(ours, theirs, tolerance=1e-4):
@@ -175,9 +175,10 @@ def test_fsdp_holds_half_the_model_state_per_process(runs):
 def test_the_doctor_plans_the_model_state_each_process_held(runs):
     """doctor.py's memory plan for this job (2 processes) is within 5% of the parameters,
     gradients and AdamW state each process of the ddp and fsdp runs held (model_state_mb)."""
-    cfg = parse_config([*TINY, *ARGS, *TWO])
+    cfg = parse_config(Config, [*TINY, *ARGS, *TWO])
     with float64_default():  # as the runs were
-        task, built, small, _ = doctor.build(cfg)
+        task = TASK
+        built, small, _ = doctor.build(task, cfg)
         plans, _, _ = doctor_memory.memory_plan(built, small, task.loss_fn, cfg, world_size=2, gpus_per_node=2)
     for name in ("ddp", "fsdp"):
         planned = sum(plans[name][part] for part in ("parameters", "gradients", "optimizer")) / 2**20
@@ -189,17 +190,17 @@ def test_both_strategies_start_from_the_weights_the_model_makes(runs):
     """ddp and fsdp start from the same weights: those build_model(cfg) makes with torch seeded
     by --seed, its own initialisation kept; or, for a model with init_weights, those of the
     module-by-module start, which a meta-device start (--init_on_meta) gives too."""
-    cfg = parse_config([*TINY, *ARGS, *TWO, *FSDP])
+    cfg = parse_config(Config, [*TINY, *ARGS, *TWO, *FSDP])
     ddp_start = torch.load(runs.ddp[0] / "initial_weights.pt", weights_only=True)
     fsdp_start = torch.load(runs.fsdp[0] / "initial_weights.pt", weights_only=True)
     with torch.device("meta"):
-        by_module = hasattr(model.build_model(cfg), "init_weights")
+        by_module = hasattr(TASK.build_model(cfg), "init_weights")
     with float64_default():  # as the runs were
         if by_module:
-            expected = build_module(cfg, model.build_model, torch.device("cpu"), on_meta=True).state_dict()
+            expected = build_module(cfg, TASK.build_model, torch.device("cpu"), on_meta=True).state_dict()
         else:
             torch.manual_seed(cfg.seed)
-            expected = model.build_model(cfg).state_dict()
+            expected = TASK.build_model(cfg).state_dict()
     for start in (ddp_start, fsdp_start):
         assert start.keys() == expected.keys()
         assert [key for key in expected if not torch.equal(start[key], expected[key])] == []
@@ -213,7 +214,7 @@ def test_export_writes_one_weights_only_file_with_the_run_validation_loss(runs, 
     assert result.returncode == 0, result.stderr
     state = torch.load(out, weights_only=True)
     cfg = Config(**state["config"])
-    functions = load_task()  # model.py's and dataset.py's
+    functions = TASK
     totals = {}
     with float64_default(), torch.no_grad():
         net = functions.build_model(cfg)

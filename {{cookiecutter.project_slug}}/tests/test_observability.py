@@ -12,21 +12,21 @@ import termios
 from types import SimpleNamespace
 
 import pytest
-import task
+import task_settings
 import torch
 from conftest import PROJECT, TINY, probe_output, read_metrics, run_training, training_env
 
 from config import Config
-from ddp_utils import metrics
-from model import build_model
+from ddp_utils import flops, metrics
+from task import TASK
 
 pytestmark = pytest.mark.fixed_amp
 
 
 def test_mfu_arithmetic():
     # 1 GFLOP per sample at 400k samples/s on 8 GPUs of 100 TFLOPS: 50 TFLOPS each, 50%.
-    assert metrics.mfu(1e9, 400_000, 8, 100.0) == pytest.approx(0.5)
-    assert metrics.mfu(1e9, 400_000, 8, 0.0) is None  # unknown device: no estimate
+    assert flops.mfu(1e9, 400_000, 8, 100.0) == pytest.approx(0.5)
+    assert flops.mfu(1e9, 400_000, 8, 0.0) is None  # unknown device: no estimate
 
 
 @pytest.mark.parametrize(
@@ -53,11 +53,11 @@ def test_mfu_arithmetic():
     ],
 )
 def test_peak_tflops_match_the_exact_device_and_precision(device, amp, tf32, peak):
-    assert metrics.peak_tflops(device, amp, tf32) == peak
+    assert flops.peak_tflops(device, amp, tf32) == peak
 
 
 def test_peak_tflops_override():
-    assert metrics.peak_tflops("NVIDIA H200", "bf16", True, override=500.0) == 500.0
+    assert flops.peak_tflops("NVIDIA H200", "bf16", True, override=500.0) == 500.0
 
 
 def test_peak_memory_is_reset_for_each_epoch():
@@ -129,15 +129,15 @@ def test_compression_hooks_halve_the_all_reduced_bytes(tmp_path, hook, bytes_per
     result = run_training(tmp_path, "--comm_hook", hook, "--epochs", "1", probe="count_compressed_bytes")
     (counted,) = probe_output(result)
     state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
-    parameters = sum(p.numel() for p in build_model(Config(**state["config"])).parameters())  # tied ones once
+    parameters = sum(p.numel() for p in TASK.build_model(Config(**state["config"])).parameters())  # tied ones once
     steps = read_metrics(tmp_path)[-1]["step"]
     assert counted["compressed_bytes"] == steps * parameters * bytes_per_value  # fp32 would be 4 per value
-    assert read_metrics(tmp_path)[-1]["val_loss"] < task.CHANCE_LOSS
+    assert read_metrics(tmp_path)[-1]["val_loss"] < task_settings.CHANCE_LOSS
 
 
 def test_powersgd_hook_trains(tmp_path):
     run_training(tmp_path, "--comm_hook", "powersgd", "--amp", "bf16")
-    assert read_metrics(tmp_path)[-1]["val_loss"] < task.CHANCE_LOSS
+    assert read_metrics(tmp_path)[-1]["val_loss"] < task_settings.CHANCE_LOSS
 
 
 def test_compile_trains_and_matches_eager_closely(tmp_path):

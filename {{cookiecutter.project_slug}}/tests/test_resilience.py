@@ -30,9 +30,9 @@ from conftest import (
 )
 
 from ddp_utils import checkpoint_files
-from ddp_utils.contract import load_task
 from ddp_utils.faults import CheckpointError
 from model import ModelConfig
+from task import TASK
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
@@ -114,7 +114,7 @@ def test_no_readable_checkpoint_stops_with_one_message_and_keeps_the_files(tmp_p
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert output.count("no readable checkpoint among") == 1 and str(last) in output
-    assert 'train.py", line' not in output
+    assert 'train.py", line' not in output and 'trainer.py", line' not in output
     assert last.read_bytes() == b"not a checkpoint"
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -164,7 +164,7 @@ def shape_change():
     SHAPE_FIELDS that is a positive whole number of ModelConfig (0 is "read from the data"),
     doubled."""
     model_fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    values = {name: getattr(TINY_CONFIG, name) for name in load_task().shape_fields
+    values = {name: getattr(TINY_CONFIG, name) for name in TASK.shape_fields
               if name in model_fields and model_fields[name].type is int}  # fmt: skip
     name, value = next(((name, value) for name, value in values.items() if value > 0), (None, None))
     if name is None:

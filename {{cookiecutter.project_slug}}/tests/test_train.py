@@ -8,15 +8,15 @@ import re
 import sys
 
 import pytest
-import task
+import task_settings
 import torch
 from conftest import LR, PROJECT, TINY_CONFIG, config_flags, flag_text, load_final_model, read_metrics, run_training
 
 from config import Config
-from ddp_utils import strategy
+from ddp_utils import compat
 from ddp_utils.checkpoint import same_optimizer_implementation
 from ddp_utils.optim import clip_grad_norm
-from model import build_model
+from task import TASK
 
 REQUIRED_METRICS = {"epoch", "step", "train_loss", "val_loss", "val_accuracy", "val_samples", "samples_per_s"}
 
@@ -35,7 +35,7 @@ def test_training_learns(two_process_run):
     """Below the loss of a uniform guess over the classes (or bytes), and falling."""
     output_dir, _ = two_process_run
     metrics = read_metrics(output_dir)
-    assert metrics[-1]["val_loss"] < task.CHANCE_LOSS
+    assert metrics[-1]["val_loss"] < task_settings.CHANCE_LOSS
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
 
 
@@ -72,7 +72,7 @@ def test_single_process_without_torchrun(tmp_path):
     metrics = read_metrics(tmp_path)
     assert len(metrics) == 1 and metrics[0]["val_samples"] == 256
     state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
-    assert state["model"].keys() == build_model(Config(**state["config"])).state_dict().keys()  # unwrapped
+    assert state["model"].keys() == TASK.build_model(Config(**state["config"])).state_dict().keys()  # unwrapped
 
 
 @pytest.mark.fixed_amp
@@ -118,7 +118,7 @@ def test_weight_decay_shrinks_matrices_and_never_biases_or_norms(tmp_path):
     run_training(tmp_path / "on", *one_step, "--weight_decay", "0.5")
     off, on = load_final_model(tmp_path / "off"), load_final_model(tmp_path / "on")
     cfg = Config(**torch.load(tmp_path / "on" / "checkpoints" / "last.pt", weights_only=True)["config"])
-    parameters = {name for name, _ in build_model(cfg).named_parameters(remove_duplicate=False)}
+    parameters = {name for name, _ in TASK.build_model(cfg).named_parameters(remove_duplicate=False)}
     decayed = sorted(name for name in parameters if not torch.equal(off[name], on[name]))
     assert decayed == sorted(name for name in parameters if off[name].dim() >= 2), decayed
     assert any(off[name].dim() < 2 for name in parameters)  # biases or norms: there is something to spare
@@ -142,7 +142,7 @@ def test_clipping_is_torchs_to_the_bit(clipped):
     that torch.nn.utils.clip_grad_norm_ does, bit for bit, on the task's model (a parameter
     without a gradient left out, as both do): small gradients clipped to a tenth of their norm,
     where torch's 1e-6 beside the norm counts, and measured only (max_norm inf)."""
-    model = build_model(TINY_CONFIG)
+    model = TASK.build_model(TINY_CONFIG)
     gradients = torch.Generator().manual_seed(0)
     for p in list(model.parameters())[1:]:
         p.grad = 1e-3 * torch.randn(p.shape, generator=gradients)
@@ -166,13 +166,13 @@ def test_amp_modes_train(tmp_path):
     for amp in ("bf16", "fp16"):
         run_training(tmp_path / amp, "--epochs", "1", "--amp", amp)
         loss = read_metrics(tmp_path / amp)[0]["val_loss"]
-        assert loss < task.CHANCE_LOSS  # finite and learning
+        assert loss < task_settings.CHANCE_LOSS  # finite and learning
 
 
 def test_readme_config_table_matches_config():
-    """Every Config field is in the README table with its default and help text, and nothing else."""
+    """Every Config field is in docs/configuration.md's tables with its default and help text, and nothing else."""
     rows, in_table = [], False
-    for line in (PROJECT / "README.md").read_text().splitlines():  # the tables headed "field | default | meaning"
+    for line in (PROJECT / "docs" / "configuration.md").read_text().splitlines():  # "field | default | meaning"
         in_table = line == "| field | default | meaning |" or (in_table and line.startswith("|"))
         if in_table and line.startswith("| `"):
             rows.append(line.split(" | "))
@@ -189,10 +189,10 @@ def test_readme_config_table_matches_config():
 def test_ddps_buffer_setting_is_the_name_each_supported_torch_knows():
     """torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns);
     the project's oldest torch knows only the old one."""
-    assert strategy.buffer_sync_setting({"broadcast_buffers": None}) == "broadcast_buffers"
+    assert compat.buffer_sync_setting({"broadcast_buffers": None}) == "broadcast_buffers"
     both = {"broadcast_buffers": None, "forward_sync_buffers": None}
-    assert strategy.buffer_sync_setting(both) == "forward_sync_buffers"
-    assert strategy.BUFFER_SYNC in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    assert compat.buffer_sync_setting(both) == "forward_sync_buffers"
+    assert compat.BUFFER_SYNC in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
 
 
 def test_older_torchrun_gives_the_workers_launch_shs_stop_grace():

@@ -1,4 +1,4 @@
-"""Data: windows of text from the token files that prepare_data.py writes.
+"""Yours: the data, windows of text from the token files that prepare_data.py writes.
 
 `<data_dir>/train.bin` and `val.bin` are nanoGPT's format: token ids one after another, uint16
 (or uint32 for a vocabulary over 65,536: `dtype` in meta.json), so nanoGPT's prepare scripts
@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from ddp_utils.data import mix_seed
 from ddp_utils.knobs import ConfigError, knob
-from tokenizer import describe
+from language.tokenizer import describe
 
 DEFAULT_DATA_DIR = "data/text"
 
@@ -99,7 +99,7 @@ def build_datasets(cfg):
     for name in ("train.bin", "val.bin"):
         if not (folder / name).is_file():
             raise ConfigError("data_dir", f"{folder} has no {name}: {fix} first")
-    files = token_files(folder)
+    files = token_file_meta(folder)
     used = files.pop("vocab_size")
     own = Path(cfg.init_from) / "tokenizer.json" if cfg.init_from else None
     if own is not None and own.is_file() and own.read_text(encoding="utf-8") != files["tokenizer"]:
@@ -119,7 +119,7 @@ def build_datasets(cfg):
     return train, val
 
 
-def token_files(folder):
+def token_file_meta(folder):
     """{"dtype", "tokenizer", "vocab_size"} of a data folder, from its meta.json: the ids' type
     (uint16 when it does not say: nanoGPT's files), "bytes" or the text of its tokenizer.json,
     and the ids it uses (0 when it does not say)."""

@@ -1,10 +1,11 @@
-"""A decoder-only transformer (GPT) that predicts the next token, nanoGPT-style.
+"""Yours: a decoder-only transformer (GPT) that predicts the next token, nanoGPT-style.
 
 Pre-LayerNorm blocks of causal self-attention and a GELU MLP, learned position embeddings,
 and an output layer that shares its weights with the token embedding: GPT-2's architecture, so
 --init_from starts from a Hugging Face GPT-2 folder and export.py --format hf writes one
-(hf_gpt2.py). What train.py reads from this file: ddp_utils/contract.py's docstring. The knobs
-are the ModelConfig fields below, each a --flag.
+(language/hf_gpt2.py). Yours: task.py hands build_model and the hooks below to the machinery
+(ddp_utils/contract.py lists them). The knobs are the ModelConfig fields below, each a --flag.
+`generate` lives here with the model; sample.py and the --sample_every_steps hook call it.
 """
 
 import json
@@ -17,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import hf_gpt2
 from ddp_utils.contract import build_on_meta
 from ddp_utils.knobs import ConfigError, knob
+from language import hf_gpt2
+from language.tokenizer import from_text
 
 # A checkpoint to resume must match these (the other fields may change between runs).
 SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
@@ -109,8 +111,8 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         self.dropout = nn.Dropout(cfg.dropout)
-        # GPT-2 uses tanh's approximation; a checkpoint from before --gelu used the exact one.
-        self.approximate = "tanh" if getattr(cfg, "gelu", "exact") == "tanh" else "none"
+        # GPT-2 uses tanh's approximation.
+        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
 
     def forward(self, x):
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
@@ -195,14 +197,28 @@ def pretrained_weights(cfg):
     return weights
 
 
-def sample_text(model, cfg):
-    """--sample_every_steps: 64 tokens after a newline, from a fixed seed, decoded with the
-    tokenizer of the token files."""
-    from dataset import token_files
-    from sample import generate
-    from tokenizer import from_text
+@torch.no_grad()
+def generate(model, tokens, max_new_tokens, block_size, temperature, top_k, vocab_size):
+    """Append one sampled token at a time to `tokens` [1, T]; the model sees the last block_size.
+    Only the tokenizer's `vocab_size` ids are drawn (a model may have more: a pretrained one's)."""
+    for _ in range(max_new_tokens):
+        logits = model(tokens[:, -block_size:])[:, -1, :vocab_size].float()
+        if temperature == 0:
+            next_token = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits[logits < kth_best] = -float("inf")
+            next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+        tokens = torch.cat((tokens, next_token), dim=1)
+    return tokens
 
-    tokenizer = from_text(token_files(Path(cfg.data_dir))["tokenizer"])
+
+def sample_text(model, cfg, data):
+    """--sample_every_steps: 64 tokens after a newline, from a fixed seed, decoded with the
+    training set's tokenizer (its data_state())."""
+    tokenizer = from_text((data or {}).get("tokenizer"))
     torch.manual_seed(cfg.seed)
     device = next(model.parameters()).device
     prompt = torch.tensor([tokenizer.encode("\n")], dtype=torch.long, device=device)

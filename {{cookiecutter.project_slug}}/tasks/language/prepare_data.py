@@ -1,4 +1,4 @@
-"""Turn text into the token files train.py reads: train.bin, val.bin and meta.json.
+"""Yours to run: turn text into the token files train.py reads: train.bin, val.bin and meta.json.
 
     python prepare_data.py                                   # the Python standard library's source
     python prepare_data.py --input notes/                    # every UTF-8 text file under a folder
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ddp_utils.knobs import InputError, OneLineParser, exit_with_error
-from tokenizer import ByteTokenizer, JsonTokenizer, token_dtype, train_bpe
+from language.tokenizer import ByteTokenizer, JsonTokenizer, token_dtype, train_bpe
 
 # Left out of the default corpus: installed packages, the test suites (huge and repetitive)
 # and IDLE.

@@ -1,4 +1,4 @@
-"""Generate text with a trained model: one process, CPU or GPU.
+"""Yours to run: generate text with a trained model, one process, CPU or GPU.
 
     python sample.py --checkpoint runs/default/checkpoints/last.pt --prompt "def main(" --max_new_tokens 300
 
@@ -13,8 +13,8 @@ import torch
 
 from ddp_utils.inference import load_trained, pick_device
 from ddp_utils.knobs import InputError, OneLineParser, exit_with_error
-from model import build_model
-from tokenizer import describe, from_text
+from language.tokenizer import describe, from_text
+from model import build_model, generate
 
 
 def parse_args():
@@ -37,29 +37,11 @@ def parse_args():
     return args
 
 
-@torch.no_grad()
-def generate(model, tokens, max_new_tokens, block_size, temperature, top_k, vocab_size):
-    """Append one sampled token at a time to `tokens` [1, T]; the model sees the last block_size.
-    Only the tokenizer's `vocab_size` ids are drawn (a model may have more: a pretrained one's)."""
-    for _ in range(max_new_tokens):
-        logits = model(tokens[:, -block_size:])[:, -1, :vocab_size].float()
-        if temperature == 0:
-            next_token = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits[logits < kth_best] = -float("inf")
-            next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-        tokens = torch.cat((tokens, next_token), dim=1)
-    return tokens
-
-
 def main():
     args = parse_args()
     device = pick_device(args.device)
     model, cfg, state = load_trained(args.checkpoint, build_model, device)
-    saved = (state.get("data") or {}).get("tokenizer")  # None: a checkpoint from before tokenizers: bytes
+    saved = (state.get("data") or {}).get("tokenizer")
     try:
         tokenizer = from_text(saved)
     except InputError as error:

@@ -1,4 +1,4 @@
-"""The data: your own table (a CSV or Parquet file), or a synthetic task; and how to plug in
+"""Yours: the data, your own table (a CSV or Parquet file), or a synthetic task; and how to plug in
 other data.
 
     python train.py --data_file table.csv --target species          # classes: text or integers
@@ -172,7 +172,7 @@ def _splitmix64(x):
 
 
 class GaussianBlobs(Dataset):
-    """A second, simpler task: one Gaussian cluster per class (the README's worked example of
+    """A second, simpler task: one Gaussian cluster per class (docs/your-model.md's worked example of
     plugging in a dataset). Any map-style Dataset of (input, target) pairs works the same way."""
 
     def __init__(self, num_samples, input_dim, num_classes, seed, split):

@@ -1,5 +1,5 @@
-"""The model, its loss and its validation metrics: this file and dataset.py are the task (what
-train.py reads from them: ddp_utils/contract.py's docstring).
+"""Yours: the model, its loss and its validation metrics; task.py hands them to the machinery
+(every hook it may hand over: ddp_utils/contract.py's docstring).
 
 This task is a classifier, or a regression (MSE, R^2) when --target_kind resolves to regression
 (a numeric --target, or --dataset regression): the dtype of the targets tells the loss which.

@@ -1,4 +1,4 @@
-"""Predict the target of each row of a table with a trained checkpoint, in one process.
+"""Yours to run: predict the target of each row of a table with a trained checkpoint, in one process.
 
     python predict.py --checkpoint runs/default/checkpoints/last.pt --data_file rows.csv
 

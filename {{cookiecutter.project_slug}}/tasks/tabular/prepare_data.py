@@ -1,4 +1,4 @@
-"""Write a demo table: real data that needs no download.
+"""Yours to run: write a demo table: real data that needs no download.
 
     python prepare_data.py [--output data/breast_cancer.csv]
 
@@ -13,6 +13,8 @@ import argparse
 import csv
 import sys
 from pathlib import Path
+
+from ddp_utils.files import write_atomically
 
 
 def main(argv=None):
@@ -40,12 +42,12 @@ def main(argv=None):
 
 
 def write_csv(path, header, rows):
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
+    def write(f):
         writer = csv.writer(f)
         writer.writerow(header)
         writer.writerows(rows)
-    tmp.replace(path)  # whole or not at all
+
+    write_atomically(path, write, "w", newline="")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Data: a folder of images, one subfolder per class, with augmentation that is the same on any
+"""Yours: the data, a folder of images, one subfolder per class, with augmentation that is the same on any
 number of processes and workers. Either layout:
 
     data_dir/<class>/*                          a share of each class is held out (--val_fraction)

@@ -1,5 +1,5 @@
-"""The model: a small ResNet for image classification. Replace `build_model` to train your own
-(what train.py reads from this file: ddp_utils/contract.py's docstring)."""
+"""Yours: the model, a small ResNet for image classification. Replace `build_model` to train your
+own; task.py hands it to the machinery (every hook: ddp_utils/contract.py's docstring)."""
 
 from dataclasses import dataclass
 

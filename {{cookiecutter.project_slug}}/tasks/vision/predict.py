@@ -1,4 +1,4 @@
-"""Classify images with a trained checkpoint, in one process.
+"""Yours to run: classify images with a trained checkpoint, in one process.
 
     python predict.py --checkpoint runs/default/checkpoints/last.pt cat.png dog.jpg
 

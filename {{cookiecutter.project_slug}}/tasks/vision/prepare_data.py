@@ -1,4 +1,4 @@
-"""Write the demo dataset: real images that need no download.
+"""Yours to run: write the demo dataset: real images that need no download.
 
     python prepare_data.py [--output_dir data/images] [--val_fraction 0.2] [--seed 0]
 

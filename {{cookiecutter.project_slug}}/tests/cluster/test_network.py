@@ -12,13 +12,13 @@ their own, not beside other tests (the `alone` marker).
 
 import nodes
 import pytest
-import task
+import task_settings
 from conftest import run_training
 
 pytestmark = [pytest.mark.fixed_amp, pytest.mark.alone]
 
-ARGS = [*task.NETWORK_ARGS, "--amp", "none"]
-BATCH = int(dict(zip(task.NETWORK_ARGS[::2], task.NETWORK_ARGS[1::2]))["--batch_size"])
+ARGS = [*task_settings.NETWORK_ARGS, "--amp", "none"]
+BATCH = int(dict(zip(task_settings.NETWORK_ARGS[::2], task_settings.NETWORK_ARGS[1::2]))["--batch_size"])
 # Timed: the second half (steps 26-48), past start-up. A step over an unlimited link is
 # ~0.07 s: 23 of them see less of a shared machine's noise than 11, and the tabular task's
 # first full garbage collection after start-up (0.2-0.4 s on each process at once, at about
@@ -68,5 +68,5 @@ def test_preflight_predicts_the_two_host_step_time_and_whether_it_pays(rate, one
         # The slow link: the preflight names a hook, and it wins back time as it predicted.
         assert hook in ("bf16", "fp16", "powersgd"), summary
         # Its prediction leaves out the hook's own compute (PowerSGD's matrix products), so
-        # only the direction is asserted here; BENCHMARKS.md shows how close it is.
+        # only the direction is asserted here; the template's benchmarks show how close it is.
         assert with_hook < measured, f"--comm_hook {hook}: {with_hook:.3f} s a step, without: {measured:.3f} s"

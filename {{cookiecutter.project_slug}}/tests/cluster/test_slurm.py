@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import task
+import task_settings
 import torch
 from conftest import PROJECT, TINY, load_final_model, read_metrics
 from slurm_cluster import FINISHED, slurm_fixture  # noqa: F401 (slurm_fixture: the `slurm` fixture)
@@ -100,7 +100,7 @@ def test_batch_script_trains_with_torchrun_on_one_node(slurm, batch_job):
     assert "workers get 80 s to stop" in batch_job.log
     metrics = read_metrics(batch_job.output_dir)
     assert [m["epoch"] for m in metrics] == list(range(1, EPOCHS + 1))
-    assert metrics[-1]["step"] == 16 * EPOCHS and metrics[-1]["val_loss"] < task.CHANCE_LOSS
+    assert metrics[-1]["step"] == 16 * EPOCHS and metrics[-1]["val_loss"] < task_settings.CHANCE_LOSS
     state = torch.load(batch_job.output_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     assert (state["epoch"], state["step"], len(state["ranks"])) == (EPOCHS, 16 * EPOCHS, 2)
 

@@ -27,10 +27,10 @@ from conftest import (
 
 from config import Config
 from dataset import TokenWindows
-from ddp_utils import metrics
-from ddp_utils.contract import load_task
+from ddp_utils import flops
 from ddp_utils.knobs import ConfigError
 from model import build_model
+from task import TASK
 
 pytestmark = pytest.mark.fixed_amp
 
@@ -87,7 +87,7 @@ def test_flop_count_includes_attention():
     6 N (N: parameters but the position embedding) + 12 L H Q T for attention."""
     cfg = Config(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
     batch = (torch.zeros(1, 128, dtype=torch.int64), torch.zeros(1, 128, dtype=torch.int64))
-    counted = metrics.flops_per_sample(cfg, load_task(), batch)
+    counted = flops.flops_per_sample(cfg, TASK, batch)
     model = build_model(cfg)
     n = sum(p.numel() for p in model.parameters()) - model.pos_emb.weight.numel()
     estimate = 128 * (6 * n + 12 * 4 * 4 * (128 // 4) * 128)
@@ -133,7 +133,8 @@ def test_missing_data_is_one_line_naming_the_flag(tmp_path):
     result = run_training(run, "--data_dir", tmp_path / "nowhere", "--vocab_size", "256", nproc=2, check=False)
     assert result.returncode != 0
     assert result.stderr.count(f"error: --data_dir {tmp_path / 'nowhere'} has no train.bin") == 1, result.stderr
-    assert 'train.py", line' not in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert 'train.py", line' not in output and 'trainer.py", line' not in output
     assert not run.exists()
 
 
@@ -141,7 +142,7 @@ def test_missing_data_is_one_line_naming_the_flag(tmp_path):
 
 
 def prepare(folder, *flags):
-    """prepare_data.py on the tests' text (DATA/text, tests/task.py) into `folder`."""
+    """prepare_data.py on the tests' text (DATA/text, tests/task_settings.py) into `folder`."""
     command = [sys.executable, "prepare_data.py", "--input", str(DATA / "text"), "--output_dir", str(folder), *flags]
     result = subprocess.run(command, cwd=PROJECT, env=training_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -153,7 +154,7 @@ def test_a_trained_bpe_tokenizer_round_trips_and_the_gpt_learns_its_tokens(tmp_p
     that decodes every text back exactly; the GPT learns its tokens (below a uniform guess over
     512), the checkpoint carries it, and sample.py decodes with it."""
     pytest.importorskip("tokenizers")
-    from tokenizer import from_text
+    from language.tokenizer import from_text
 
     data = tmp_path / "bpe"
     assert prepare(data, "--train_tokenizer", "512") == {"vocab_size": 512, "tokenizer": "tokenizer.json",
@@ -178,7 +179,7 @@ def test_a_trained_bpe_tokenizer_round_trips_and_the_gpt_learns_its_tokens(tmp_p
 def test_a_vocabulary_over_65535_writes_uint32_token_files_that_train(tmp_path):
     """A tokenizer.json of 66,300 ids (a small BPE with unused ids added to its vocabulary)."""
     pytest.importorskip("tokenizers")
-    from tokenizer import train_bpe
+    from language.tokenizer import train_bpe
 
     document = json.loads(train_bpe([(DATA / "text" / "argparse.py").read_text()], 300).to_text())
     document["model"]["vocab"].update({f"<unused_{i}>": 300 + i for i in range(66000)})
@@ -236,11 +237,12 @@ def logits_of(model, tokens):
 def test_init_from_a_gpt2_folder_gives_transformers_logits(gpt2):
     """--init_from: the shape from config.json, the weights mapped (Conv1D transposed, the
     output tied, positions cut to --block_size): our logits are transformers' within 1e-4."""
-    from config import parse_config
+    from config import Config
+    from ddp_utils.configuration import parse_config
     from model import pretrained_weights
 
     folder, reference = gpt2
-    cfg = parse_config(["--init_from", str(folder), "--data_dir", str(DATA / "data"),
+    cfg = parse_config(Config, ["--init_from", str(folder), "--data_dir", str(DATA / "data"),
                         "--block_size", str(TINY_CONFIG.block_size)])  # fmt: skip
     assert (cfg.vocab_size, cfg.gelu, cfg.n_layer) == (GPT2_VOCAB, "tanh", TINY_CONFIG.n_layer)
     model = build_model(cfg).eval()
@@ -253,7 +255,8 @@ def test_a_gpt2_folder_that_does_not_fit_is_one_line(gpt2, tmp_path, capsys):
     """A flag that contradicts the folder's config.json, a longer context than it has
     positions for, or another architecture: one line naming the flag (before train.py creates
     anything: the config is resolved first)."""
-    from config import parse_config
+    from config import Config
+    from ddp_utils.configuration import parse_config
 
     other = tmp_path / "bert"
     other.mkdir()
@@ -265,7 +268,7 @@ def test_a_gpt2_folder_that_does_not_fit_is_one_line(gpt2, tmp_path, capsys):
     }
     for flags, message in cases.items():
         with pytest.raises(SystemExit) as stopped:
-            parse_config(["--init_from", str(gpt2[0]), *flags, "--data_dir", str(DATA / "data")])
+            parse_config(Config, ["--init_from", str(gpt2[0]), *flags, "--data_dir", str(DATA / "data")])
         stderr = capsys.readouterr().err
         assert stopped.value.code == 2 and stderr.startswith(f"error: {message}"), stderr
         assert len(stderr.strip().splitlines()) == 1
@@ -274,14 +277,15 @@ def test_a_gpt2_folder_that_does_not_fit_is_one_line(gpt2, tmp_path, capsys):
 def test_a_gpt2_folder_with_another_tokenizer_than_the_data_is_one_line(gpt2, tmp_path):
     """A folder with its own tokenizer.json and data prepared with another (bytes here): the
     ids would mean other tokens to the pretrained model. Refused, naming the fix."""
-    from config import parse_config
+    from config import Config
     from dataset import build_datasets
-    from tokenizer import train_bpe
+    from ddp_utils.configuration import parse_config
+    from language.tokenizer import train_bpe
 
     folder = tmp_path / "gpt2"
     shutil.copytree(gpt2[0], folder)
     (folder / "tokenizer.json").write_text(train_bpe(["some text to learn from"], GPT2_VOCAB).to_text())
-    cfg = parse_config(["--init_from", str(folder), "--data_dir", str(DATA / "data"),
+    cfg = parse_config(Config, ["--init_from", str(folder), "--data_dir", str(DATA / "data"),
                         "--block_size", str(TINY_CONFIG.block_size)])  # fmt: skip
     with pytest.raises(ConfigError, match=r"has its own tokenizer.json, but .* holds tokens of bytes \(256 ids\): "
                                           r"prepare the data with python prepare_data.py --tokenizer"):  # fmt: skip

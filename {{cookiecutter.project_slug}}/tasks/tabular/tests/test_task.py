@@ -9,23 +9,23 @@ import numpy as np
 import pytest
 import torch
 from conftest import PROJECT, TINY, read_metrics, run_training, training_env
-from task import COLUMNS, table, write_table
 
 import dataset
-from config import Config, parse_config
+from config import Config
 from dataset import SyntheticClassification, build_datasets
-from ddp_utils import metrics
-from ddp_utils.contract import load_task
+from ddp_utils import flops
+from ddp_utils.configuration import parse_config
 from ddp_utils.data import build_loaders, start_epoch
+from task import COLUMNS, TASK, table, write_table
 
-# The TINY run's flags without its table (tests/task.py): the synthetic data.
+# The TINY run's flags without its table (tests/task_settings.py): the synthetic data.
 TABLE_FLAGS = {"--data_file", "--target", "--ignore_columns"}
 SYNTHETIC = [text for flag, value in zip(TINY[::2], TINY[1::2]) if flag not in TABLE_FLAGS for text in (flag, value)]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """2 processes on the CSV table (TINY: tests/task.py's table, text labels, unscaled features)."""
+    """2 processes on the CSV table (TINY: tests/task_settings.py's table, text labels, unscaled features)."""
     output_dir = tmp_path_factory.mktemp("table") / "run"
     run_training(output_dir, "--epochs", "4", "--amp", "none", nproc=2)
     return output_dir
@@ -94,9 +94,9 @@ def test_a_bad_table_is_one_line_naming_it_and_nothing_is_written(tmp_path, case
 def test_the_validation_split_is_a_function_of_the_rows_and_seed():
     """Each class's share held out, from --seed alone (no rank or world size goes in)."""
     flags = [*TINY, "--train_samples", "0", "--val_samples", "0"]
-    a, val_a = build_datasets(parse_config(flags))
-    b, val_b = build_datasets(parse_config(flags))
-    _, val_c = build_datasets(parse_config([*flags, "--seed", "1"]))
+    a, val_a = build_datasets(parse_config(Config, flags))
+    b, val_b = build_datasets(parse_config(Config, flags))
+    _, val_c = build_datasets(parse_config(Config, [*flags, "--seed", "1"]))
     assert torch.equal(val_a.inputs, val_b.inputs) and torch.equal(a.inputs, b.inputs)
     assert not torch.equal(val_a.inputs, val_c.inputs)
     assert len(val_a) == 4000 and len(a) == 36000  # --val_fraction 0.1 of 40000 rows
@@ -151,11 +151,11 @@ def test_flops_per_sample_are_counted_as_the_model_runs():
     cfg = Config(input_dim=8, hidden_dim=16, num_classes=4)
     weights = 8 * 16 + 16 * 16 + 16 * 4
     batch = (torch.zeros(1, 8), torch.tensor([1]))
-    assert metrics.flops_per_sample(cfg, load_task(), batch) == 6 * weights - 2 * 8 * 16
+    assert flops.flops_per_sample(cfg, TASK, batch) == 6 * weights - 2 * 8 * 16
 
 
 def test_second_dataset_through_config(tmp_path):
-    """The README's worked example: another dataset class, chosen with --dataset."""
+    """docs/your-model.md's worked example: another dataset class, chosen with --dataset."""
     run_training(tmp_path, *SYNTHETIC, "--dataset", "blobs", "--epochs", "1", tiny=False)
     assert read_metrics(tmp_path)[0]["val_accuracy"] > 0.9
 

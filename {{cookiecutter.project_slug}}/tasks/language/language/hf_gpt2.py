@@ -8,13 +8,13 @@ imports `transformers`; the tests check both directions against it.
 """
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from ddp_utils.faults import CheckpointError
+from ddp_utils.files import replace_folder
 from ddp_utils.knobs import ConfigError
 
 # GPT-2's module names -> this GPT's (one part of a dotted name at a time).
@@ -143,11 +143,4 @@ def write_folder(weights, config, tokenizer, out):
     if tokenizer not in (None, "bytes"):
         (tmp / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+    replace_folder(tmp, out)

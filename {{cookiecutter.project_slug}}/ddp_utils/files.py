@@ -1,0 +1,36 @@
+"""Files and folders written whole or not at all: what a crash, a kill or a full disk leaves is
+either the previous complete version or the new one, never half of either."""
+
+import os
+import shutil
+from pathlib import Path
+
+
+def write_atomically(path, write, mode="wb", **open_args):
+    """`write(f)` fills a temporary file beside `path` (opened with `mode` and `open_args`),
+    renamed to `path` once it is on disk. A crash or a full disk while writing leaves only the
+    temporary file behind, and it is removed when this raises."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, mode, **open_args) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def replace_folder(tmp, out):
+    """Put the complete folder `tmp` at `out`, in place of any folder there: at every moment
+    `out` is the old folder or the new one (the old one is renamed aside, then removed)."""
+    tmp, out = Path(tmp), Path(out)
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)

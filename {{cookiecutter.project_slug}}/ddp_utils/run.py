@@ -1,0 +1,62 @@
+"""train.py's main: the config parsed, the process group started and destroyed, the inputs
+checked before anything is written, and the Trainer run under the exit path (faults.ExitPath),
+which turns every way a run ends into an exit code."""
+
+from pathlib import Path
+
+from .configuration import parse_config, write_resolved_config
+from .dist import DeviceError, agree, cleanup_distributed, setup_distributed
+from .faults import ExitPath, write_stop_status
+from .inputs import check_inputs
+from .knobs import InputError, print_error
+from .logs import rank_zero_only, setup_logging, warn_main
+from .trainer import Trainer
+
+
+def write_config(trainer):
+    """output_dir/config.toml, once the run is known to start (or resume): the config of its
+    latest start, which `--config` reads back."""
+    problem = rank_zero_only(write_resolved_config)(trainer.cfg, trainer.output_dir)
+    agree(trainer.ctx, "config_written", problem, trainer.cfg.timeout_seconds)
+
+
+def open_trackers(trainer):
+    """Start the trackers' runs (rank 0), or continue them when training resumed."""
+    problem = trainer.reporter.open_trackers(trainer.cfg, trainer.step if trainer.resumed else None)
+    agree(trainer.ctx, "trackers_open", problem, trainer.cfg.timeout_seconds)
+
+
+def run(cfg, ctx, task):
+    """Train; returns the exit code (ExitPath: how each failure ends). Everything holding
+    process-group work (DDP's reducer) is released when this returns, before the group is
+    destroyed. Bad data or settings raise InputError before output_dir is created."""
+    datasets, notes = check_inputs(task, cfg, ctx)
+    setup_logging(ctx, cfg.output_dir)
+    for note in notes:
+        warn_main(note)
+    with ExitPath(ctx, cfg.timeout_seconds) as ending:
+        trainer = ending.watch(Trainer(cfg, ctx, task, datasets))
+        trainer.resume()
+        write_config(trainer)
+        open_trackers(trainer)
+        trainer.train()
+        trainer.checkpointer.wait()  # an asynchronous save complete before the exit
+    return ending.code
+
+
+def main(task, argv=None):
+    """Train `task` (contract.Task) with the flags in `argv`; returns the exit code."""
+    cfg = parse_config(task.config, argv)
+    write_stop_status(None)  # a stop of an earlier (elastic) start is not this one's
+    try:
+        ctx = setup_distributed(cfg.timeout_seconds, trace_dir=Path(cfg.output_dir) / "nccl_trace", device=cfg.device)
+    except DeviceError as error:
+        error.report()  # once per node, with the node's name
+        return 2
+    try:
+        code = run(cfg, ctx, task)  # a crash exits inside (faults.ExitPath), without destroying the group
+    except InputError as error:  # agreed by every rank; nothing written yet
+        print_error(str(error))
+        code = 2
+    cleanup_distributed()
+    return code
