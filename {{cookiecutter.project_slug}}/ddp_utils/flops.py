@@ -62,7 +62,7 @@ def flops_per_sample(cfg, task, batch):
     The model is built on the meta device: no memory, no arithmetic, no random draws and no
     state touched, yet every matmul, convolution and attention call is counted as it runs
     (6 x parameters misses attention and convolutions, and counts embedding lookups).
-    `batch` is a batch of one training sample; `task` the contract's (contract.load_task).
+    `batch` is a batch of one training sample; `task` the contract.Task.
     A model that cannot be built on the meta device counts as 0 (no MFU is reported).
     """
     batch = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), batch)

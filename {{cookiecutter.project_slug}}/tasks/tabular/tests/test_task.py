@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import PROJECT, TINY, read_metrics, run_training, training_env
+from task_settings import COLUMNS, table, write_table
 
 import dataset
 from config import Config
@@ -16,7 +17,7 @@ from dataset import SyntheticClassification, build_datasets
 from ddp_utils import flops
 from ddp_utils.configuration import parse_config
 from ddp_utils.data import build_loaders, start_epoch
-from task import COLUMNS, TASK, table, write_table
+from task import TASK
 
 # The TINY run's flags without its table (tests/task_settings.py): the synthetic data.
 TABLE_FLAGS = {"--data_file", "--target", "--ignore_columns"}
