@@ -56,7 +56,9 @@ the config classes whose name is a near miss of a hook above is reported once at
 import dataclasses
 import difflib
 import inspect
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +135,7 @@ def near_misses(obj, hooks, what):
     cls = obj if isinstance(obj, type) else type(obj)
     names = set()
     for base in inspect.getmro(cls):
-        if base.__module__.split(".")[0] not in ("torch", "builtins", "typing", "abc", "ddp_utils"):
+        if not installed(base):
             # Private names (a leading underscore) are the class's own business, never hooks.
             names.update(n for n in vars(base) if not n.startswith("_"))
     problems = []
@@ -142,6 +144,17 @@ def near_misses(obj, hooks, what):
         if close:
             problems.append(f"{what} {cls.__name__}.{name} is not a hook the machinery reads: did you mean {close[0]}?")
     return problems
+
+
+def installed(cls):
+    """Whether `cls` comes from the standard library or an installed package (torch,
+    transformers, ddp_utils itself): its names are the library's, never the user's hooks (a
+    Hugging Face model's public `initialize_weights` is not a misspelled `init_weights`)."""
+    top = cls.__module__.split(".")[0]
+    if top in ("builtins", "ddp_utils") or top in sys.stdlib_module_names:
+        return True
+    path = getattr(sys.modules.get(top), "__file__", None) or ""
+    return any(part in ("site-packages", "dist-packages") for part in Path(path).parts)
 
 
 def model_near_misses(model):

@@ -49,6 +49,19 @@ def test_a_near_miss_of_a_hook_on_the_model_the_datasets_or_the_config_is_report
         def _init_weights(self, module):  # private: a class's own business, not a hook
             pass
 
+    class FromALibrary(nn.Module):
+        def initialize_weights(self):  # a library's own name (Hugging Face's), not a hook
+            pass
+
+    FromALibrary.__module__ = "numpy"  # as if installed: numpy is, in site-packages
+
+    class Mine(FromALibrary):
+        def shard_unit(self):
+            return [self]
+
+    assert model_near_misses(FromALibrary()) == []
+    assert len(model_near_misses(Mine())) == 1  # the user's subclass is still read
+
     problems = model_near_misses(Net())
     assert len(problems) == 2, problems
     assert any("Net.init_weight " in p and "did you mean init_weights?" in p for p in problems)
