@@ -16,6 +16,7 @@ module has one job, on one floor; a module imports only from the modules listed 
     doctor_equivalence.py  1 vs 2 in one process, an exact resume, the data position, data per
                            rank, fsdp = ddp
     doctor_checks.py       the doctor's rows; gradients, shard units, host syncs
+    doctor_numerics.py     how closely two runs must agree: the model's own precision
     export.py        export.py's main: a checkpoint as one file or a Hugging Face folder
     inputs.py        what must hold before a run writes anything: data, trackers (check_inputs)
     checkpoint.py    the Checkpointer: choose, load, save, when to save, random generators

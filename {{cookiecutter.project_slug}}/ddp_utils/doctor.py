@@ -12,7 +12,9 @@ same config as training, and each check reports pass, warn or fail, with why and
               norm without synchronisation, a loss that is not the mean per sample or a
               forward that changes parameters in place shows, named by the first parameter
               that differs (where the 2 processes cannot start, the gradients only, in this
-              process: the halves' gradients averaged, as DDP and accumulation make them)
+              process: the halves' gradients averaged, as DDP and accumulation make them).
+              Compared to 1e-10 of the largest entry, or to float32's rounding where the model
+              computes in float32 whatever it is given (a warning naming where: doctor_numerics.py)
   exact resume  two AdamW steps against one, a checkpoint's state loaded into a freshly built
               model, and the second: state kept outside parameters and buffers, or random
               numbers from a generator the model keeps, show
@@ -77,6 +79,7 @@ from .doctor_equivalence import (
     resume_check,
 )
 from .doctor_memory import memory_check, memory_plan
+from .doctor_numerics import float64_fix
 from .doctor_processes import processes_check
 from .files import write_atomically
 from .knobs import InputError, OneLineParser, print_error
@@ -119,8 +122,11 @@ def diagnose(task, cfg, gpu_gb, world_size, gpus_per_node):
         rows.append(gpu_sync_check(built(task, gpu_cfg), small, task.loss_fn, gpu_cfg))
     small = to_float64(small)  # the steps below on SAMPLES samples: a float64 step of a large model is slow
     processes = attempt("1 vs 2 processes", processes_check, task.build_model, small, task.loss_fn, cfg)
-    sharded = processes[1] if len(processes) > 1 else check("sharded steps", "warn", processes[0]["summary"])
-    if processes[0]["status"] == "warn":  # the processes could not run here: the same arithmetic in this one
+    if len(processes) > 1:
+        sharded = processes[1]
+    else:  # the processes did not run: why, and what to do, from their row
+        sharded = check("sharded steps", "warn", processes[0]["summary"], processes[0]["fix"])
+    if not_run(processes[0]):  # the processes could not run here: the same arithmetic in this one
         processes = attempt("1 vs 2 processes", equivalence_check, copy.deepcopy(model).double(), small, task.loss_fn)
         processes[0]["summary"] = f"in one process: {processes[0]['summary']}"
     rows.append(processes[0])
@@ -131,6 +137,11 @@ def diagnose(task, cfg, gpu_gb, world_size, gpus_per_node):
     rows += attempt("gradients", gradient_checks, model, batches, task.loss_fn, cfg)  # last: the model to float64
     rows.append(host_sync_check(source_files(task)))
     return rows, plans
+
+
+def not_run(row):
+    """Whether processes_check's row says its processes did not run (or DDP refused the model)."""
+    return row["status"] == "warn" and (row["summary"].startswith("not checked") or " raises " in row["summary"])
 
 
 def source_files(task):
@@ -152,7 +163,8 @@ def attempt(name, run, *args):
     except InputError:
         raise
     except Exception as error:
-        return [check(name, "warn", f"not checked: it raises {type(error).__name__}: {first_line(error)}")]
+        why = f"not checked: it raises {type(error).__name__}: {first_line(error)}"
+        return [check(name, "warn", why, float64_fix(error))]
     return rows if isinstance(rows, list) else [rows]
 
 

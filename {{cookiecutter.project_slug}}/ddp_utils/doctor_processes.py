@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 from .contract import count_samples, model_inputs
 from .dist import DistContext
-from .doctor_checks import check, differs, first_line, halves, whole
+from .doctor_checks import check, first_line, halves, whole
 from .doctor_equivalence import (
     FSDP_FIX,
     IN_PLACE_FIX,
@@ -31,6 +31,7 @@ from .doctor_equivalence import (
     generators_kept,
     without_dropout,
 )
+from .doctor_numerics import EXACT, Tolerance, watching_casts
 from .files import write_atomically
 from .knobs import ConfigError
 from .optim import build_optimizer, clip_grad_norm
@@ -69,10 +70,12 @@ def processes_check(build_model, batch, loss_fn, cfg):
         torch.set_default_dtype(torch.float64)
         try:
             full = tree_map_only(torch.Tensor, lambda t: t[: 2 * count_samples(shares[0])], batch)
-            model = reference(
-                stages["gradients"], build_model, lambda m: loss_fn(m(model_inputs(full)), full).backward()
-            )
+            with watching_casts() as watch:  # what the model computes in a lower precision
+                model = reference(
+                    stages["gradients"], build_model, lambda m: loss_fn(m(model_inputs(full)), full).backward()
+                )
             gradients = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            tolerance = Tolerance.watched(model, watch)
             expected = {"gradients": {"gradient": gradients, "buffer": dict(model.named_buffers())}}
             if any(isinstance(module, nn.SyncBatchNorm) for module in model.modules()):
                 why = "not checked: DDP on the CPU refuses nn.SyncBatchNorm (GPU modules only)"
@@ -92,14 +95,16 @@ def processes_check(build_model, batch, loss_fn, cfg):
         problem = run_processes(folder, job)
         results = {stage: torch.load(folder / f"{stage}.pt", weights_only=True)
                    for stage in stages if (folder / f"{stage}.pt").exists()}  # fmt: skip
-    ddp = stage_row("1 vs 2 processes", ["gradients", "ddp"], expected, results, problem, model, batch, cfg)
+    compared = (tolerance, tolerance.noise(gradients))  # entries at the noise level: the zero gradients row's
+    ddp = stage_row("1 vs 2 processes", ["gradients", "ddp"], expected, results, problem, model, batch, cfg, compared)
     if not micro:
         return [ddp, check("sharded steps", "warn", "not checked: the training set has fewer than 4 samples")]
     if "ddp" not in results:
         why = "not checked: the 2 processes' steps under DDP, which fsdp and hsdp must equal, did not finish"
         return [ddp, check("sharded steps", "warn", why)]
     expected.update({stage: results["ddp"] for stage in ("fsdp", "hsdp") if stage in stages})
-    return [ddp, stage_row("sharded steps", ["fsdp", "hsdp"], expected, results, problem, model, batch, cfg)]
+    sharded = stage_row("sharded steps", ["fsdp", "hsdp"], expected, results, problem, model, batch, cfg, compared)
+    return [ddp, sharded]
 
 
 ACCUMULATION, STEPS = 2, 2  # the steps of processes_check: each of this many micro-batches per rank
@@ -145,11 +150,13 @@ def reference(cfg, build_model, run):
     return model
 
 
-def stage_row(name, stages, expected, results, problem, model, batch, cfg):
+def stage_row(name, stages, expected, results, problem, model, batch, cfg, compared):
     """The row `name` of processes_check for `stages`: the first that raised or differs from
     `expected`, in order, fails; a stage not run (the processes did not finish) makes it a
-    warning."""
-    done = []
+    warning, and one that agrees only to the rounding of a precision the model casts to too.
+    `compared`: the Tolerance, and the parameter entries left out after steps (noise)."""
+    tolerance, noise = compared
+    done, close = [], None
     for stage in stages:
         if stage not in expected:  # fsdp refuses the config: fsdp_check's row says why
             continue
@@ -161,19 +168,23 @@ def stage_row(name, stages, expected, results, problem, model, batch, cfg):
             why = f"not checked: the 2 processes did not finish {STAGES[stage]} ({problem[3] if problem else ''})"
             return check(name, "warn", why[:300])
         for kind, tensors in expected[stage].items():
-            for tensor_name, tensor in tensors.items():
-                if differs(tensor, results[stage].get(kind, {}).get(tensor_name)):
-                    return difference_row(name, stage, f"{tensor_name}'s {kind}", model, batch)
+            left_out = noise if kind == "parameter" else None
+            verdict, which = tolerance.compare(tensors, results[stage].get(kind, {}), left_out)
+            if verdict == "differs":
+                return difference_row(name, stage, f"{which}'s {kind}", model, batch)
+            close = close or (verdict == "close" and f"{STAGES[stage]}: the {kind}s")
         done.append(stage)
+    if close:
+        return check(name, "warn", *tolerance.close_row(close))
     if name == "1 vs 2 processes":
         steps = f", and parameters after {STEPS} AdamW steps of {ACCUMULATION} accumulated micro-batches"
         steps = steps if "ddp" in done else ""
-        why = f"2 gloo processes under DDP and 1 agree to 1e-10 (float64): gradients, buffers{steps}"
+        why = f"2 gloo processes under DDP and 1 agree to {EXACT:g} (float64): gradients, buffers{steps}"
         return check(name, "pass", why)
     if not done:
         return check(name, "warn", "not checked: --strategy fsdp refuses this config (see fsdp = ddp)")
     under = " and ".join({"fsdp": "fsdp (sharded over 2 gloo processes)", "hsdp": "hsdp (2 replicas)"}[s] for s in done)
-    why = f"{STEPS} AdamW steps of {ACCUMULATION} accumulated micro-batches under {under} equal DDP's to 1e-10"
+    why = f"{STEPS} AdamW steps of {ACCUMULATION} accumulated micro-batches under {under} equal DDP's to {EXACT:g}"
     return check(name, "pass", why)
 
 

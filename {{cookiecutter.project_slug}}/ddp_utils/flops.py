@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .contract import build_on_meta, model_inputs
+from .logs import warn_main
 
 # Dense peak TFLOPS of one GPU (tensor cores without sparsity: half the sheets' sparse figures),
 # by the exact name torch.cuda.get_device_name() gives: bf16/fp16 tensor cores, TF32 tensor
@@ -56,25 +57,46 @@ def peak_tflops(device_name, amp, tf32, override=0.0):
     return peaks["tf32"] if tf32 and peaks["tf32"] else peaks["fp32"]
 
 
+class NotCounted(Exception):
+    """Why a model's FLOPs cannot be counted (MFU is then not reported; training goes on)."""
+
+
 def flops_per_sample(cfg, task, batch):
     """Training FLOPs (forward and backward) per sample, counted by PyTorch's FlopCounterMode.
 
     The model is built on the meta device: no memory, no arithmetic, no random draws and no
     state touched, yet every matmul, convolution and attention call is counted as it runs
     (6 x parameters misses attention and convolutions, and counts embedding lookups).
-    `batch` is a batch of one training sample; `task` the contract.Task.
-    A model that cannot be built on the meta device counts as 0 (no MFU is reported).
+    `batch` is a batch of one training sample; `task` the contract.Task. Raises NotCounted
+    when the model cannot be built there, or its forward, loss or backward cannot run there
+    (a Hugging Face model's mask code calls .item(), which a meta tensor has no value for):
+    a count from anywhere else would be a guess.
     """
     batch = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), batch)
     model = build_on_meta(task.build_model, cfg)
     if model is None:
-        return 0
+        raise NotCounted("the model cannot be built on the meta device")
     # Evaluation mode: the model's own FLOPs, without activation checkpointing's recompute
     # (MFU counts model FLOPs, not hardware FLOPs) or dropout.
     model.eval()
-    with FlopCounterMode(display=False) as counter:
-        task.loss_fn(model(model_inputs(batch)), batch).backward()
+    try:
+        with FlopCounterMode(display=False) as counter:
+            task.loss_fn(model(model_inputs(batch)), batch).backward()
+    except Exception as error:  # noqa: BLE001 - whatever the model's code raises there
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        why = f"the model's forward cannot run on the meta device: {type(error).__name__}: {first}"
+        raise NotCounted(why) from None
     return counter.get_total_flops()
+
+
+def counted_flops(cfg, task, batch):
+    """flops_per_sample, or 0 with one warning naming why: a metric never stops a run."""
+    try:
+        return flops_per_sample(cfg, task, batch)
+    except Exception as error:  # noqa: BLE001 - NotCounted, or anything the counter itself raises
+        why = str(error) if isinstance(error, NotCounted) else f"counting FLOPs raised {type(error).__name__}: {error}"
+        warn_main(f"MFU not reported: {why}")
+        return 0
 
 
 def mfu(flops_per_sample, samples_per_s, world_size, peak_tflops):
@@ -105,12 +127,13 @@ class Throughput:
 
 
 def build_throughput(cfg, ctx, task, one_sample):
-    """The run's Throughput: FLOPs counted on a batch of `one_sample` (meta device), the GPU's
-    peak from its name (or --peak_tflops)."""
+    """The run's Throughput: the GPU's peak from its name (or --peak_tflops) and, where it is
+    known, the FLOPs counted on a batch of `one_sample` (meta device)."""
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
+    peak = peak_tflops(device_name, cfg.amp, cfg.tf32, cfg.peak_tflops)
     return Throughput(
-        flops_per_sample=flops_per_sample(cfg, task, one_sample),
+        flops_per_sample=counted_flops(cfg, task, one_sample) if peak > 0 else 0,  # counted for MFU only
         tokens_per_sample=task.tokens_per_sample(cfg),
-        peak_tflops=peak_tflops(device_name, cfg.amp, cfg.tf32, cfg.peak_tflops),
+        peak_tflops=peak,
         world_size=ctx.world_size,
     )

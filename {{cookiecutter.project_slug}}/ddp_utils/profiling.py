@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .logs import global_rank, rank_zero_only
+from .logs import global_rank, log, rank_zero_only
 
 
 class StepProfiler:
@@ -36,7 +36,8 @@ class StepProfiler:
                 self.stop()
                 return
         elif first - 1 <= done < last:
-            self._start()
+            if not self._started():
+                return
             self.first_recorded = done + 1
         else:
             return
@@ -47,6 +48,18 @@ class StepProfiler:
         if self.marker is not None:
             self.marker.__exit__(None, None, None)
             self.marker = None
+
+    def _started(self):
+        """Start recording; False (with a warning, and --profile_steps off) when the profiler
+        cannot start here: a profile never stops a run."""
+        try:
+            self._start()
+        except Exception as error:  # noqa: BLE001 - CUPTI missing, a profiler already running...
+            self.profiler, self.range = None, None
+            log.warning("--profile_steps: the profiler could not start and is turned off: %s: %s",
+                        type(error).__name__, error)  # fmt: skip
+            return False
+        return True
 
     def _start(self):
         self.before_toggle()
@@ -65,11 +78,17 @@ class StepProfiler:
         profiler, self.profiler = self.profiler, None
         self._end_mark()
         self.before_toggle()
-        profiler.stop()
         steps = f"{self.first_recorded}-{self.marker_step}"
-        self.folder.mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(self.folder / f"trace_steps_{steps}.json"))
-        if self.cuda:
-            torch.cuda.memory._dump_snapshot(str(self.folder / f"memory_steps_{steps}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
         self.range = None  # once per run
+        try:
+            profiler.stop()
+            self.folder.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(self.folder / f"trace_steps_{steps}.json"))
+            if self.cuda:
+                torch.cuda.memory._dump_snapshot(str(self.folder / f"memory_steps_{steps}.pickle"))
+        except Exception as error:  # noqa: BLE001 - a full disk, say: the profile is lost, not the run
+            log.warning("--profile_steps: the profile of steps %s could not be written to %s: %s: %s",
+                        steps, self.folder, type(error).__name__, error)  # fmt: skip
+        finally:
+            if self.cuda:
+                torch.cuda.memory._record_memory_history(enabled=None)

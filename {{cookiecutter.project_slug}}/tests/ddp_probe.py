@@ -217,6 +217,23 @@ def unused_param():
     wrap_build_model(lambda build_model: lambda cfg: WithUnusedLayer(build_model(cfg)))
 
 
+def item_in_forward():
+    """The model's forward reads a value from its input (.item()), as Hugging Face's attention
+    mask code does: it runs on real tensors, not on the meta device where FLOPs are counted."""
+
+    class ReadsAValue(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inputs):
+            first = torch.utils._pytree.tree_leaves(inputs)[0]
+            assert first.reshape(-1)[0].item() == first.reshape(-1)[0].item()  # a meta tensor has no value
+            return self.inner(inputs)
+
+    wrap_build_model(lambda build_model: lambda cfg: ReadsAValue(build_model(cfg)))
+
+
 def eval_only():
     """Evaluate the resumed checkpoint instead of training."""
 
@@ -548,7 +565,7 @@ PROBES = {
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_checkpoint_write)
     + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
-    + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads)
+    + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads, item_in_forward)
 }
 
 if __name__ == "__main__":

@@ -61,3 +61,84 @@ class FailsOnRank1(nn.Linear):
 
 def fails_on_rank1(cfg):
     return FailsOnRank1(8, 4)
+
+
+def world_size():
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+class ScalesWithWorldSize(nn.Linear):
+    """A forward that depends, by a factor of 1 + `by` per extra process, on the world size."""
+
+    by = 0.0
+
+    def forward(self, x):
+        return super().forward(x) * (1 + self.by * (world_size() - 1))
+
+
+def scales_by_a_millionth(cfg):
+    model = ScalesWithWorldSize(8, 4)
+    model.by = 1e-6
+    return model
+
+
+class CastsInside(nn.Module):
+    """Part of its forward in float32 whatever dtype it is given, as Mamba's A_log.float() is:
+    a parameter cast, its gradient summed over the batch in float32. `by`: ScalesWithWorldSize's."""
+
+    by = 0.0
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 4)
+        self.decay = nn.Parameter(torch.linspace(-1.0, 1.0, 4))
+
+    def forward(self, x):
+        gate = torch.sigmoid(self.layer(x).float() * self.decay.float().exp())  # float32 here
+        return self.layer(x) * gate.to(x.dtype) * (1 + self.by * (world_size() - 1))
+
+
+def casts_inside(cfg):
+    return CastsInside()
+
+
+def casts_inside_and_scales(cfg):
+    model = CastsInside()
+    model.by = 1e-4  # a hundred times float32's tolerance (TOLERANCES): a fault, found however subtle
+    return model
+
+
+class KeyBias(nn.Module):
+    """Attention within each sample (2 tokens of 4): the key's bias shifts every score of a
+    query alike, so softmax ignores it and its gradient is zero in exact arithmetic, as a ViT's is."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(8, 4)
+
+    def forward(self, x):
+        tokens = x.view(len(x), 2, 4)
+        scores = torch.softmax(self.query(tokens) @ self.key(tokens).transpose(1, 2), dim=-1)
+        return self.head((scores @ tokens).flatten(1))
+
+
+def key_bias(cfg):
+    return KeyBias()
+
+
+class Experts(nn.Module):
+    """A mixture of 2 experts, each sample routed to one by the sign of its first feature: an
+    expert that gets no sample in a batch gets no gradient from it."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(8, 4), nn.Linear(8, 4)])
+
+    def forward(self, x):
+        routed = (x[:, 0] > 0).long()
+        out = torch.zeros(len(x), 4, dtype=x.dtype)
+        for index, expert in enumerate(self.experts):
+            chosen = routed == index
+            if chosen.any():  # as Hugging Face's per-expert loops skip an expert without tokens
+                out[chosen] = expert(x[chosen])
+        return out

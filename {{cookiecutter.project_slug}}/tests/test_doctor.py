@@ -12,7 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PROJECT, TINY, descendants, gpu_host, training_env
-from doctor_models import Normed, fails_on_rank1, linear, loss_fn, loss_per_class_present, normed, renormed
+from doctor_models import (
+    Experts,
+    Normed,
+    casts_inside,
+    casts_inside_and_scales,
+    fails_on_rank1,
+    key_bias,
+    linear,
+    loss_fn,
+    loss_per_class_present,
+    normed,
+    renormed,
+    scales_by_a_millionth,
+)
 from torch import nn
 
 from config import Config
@@ -118,6 +131,18 @@ def test_each_fault_is_named(fault, check, status, named):
     }
     assert rows[check]["status"] == status and named in rows[check]["summary"], rows[check]
     assert rows[check]["fix"]
+
+
+def test_parameters_that_some_batches_leave_out_are_found():
+    """A mixture of experts whose experts get no sample in some batches: every parameter gets a
+    gradient from the whole batch, yet DDP would stop at the step after one that leaves an expert
+    out. The row says so and names the knob; with it set, it passes."""
+    batch = (torch.tensor([[1.0] * 8, [2.0] * 8, [-1.0] * 8, [1.0] + [0.0] * 7]), torch.tensor([0, 1, 2, 3]))
+    for flags, status in [((), "fail"), (("--find_unused_parameters", "true"), "pass")]:
+        rows = doctor_checks.gradient_checks(Experts(), (batch, batch), loss_fn, cfg_for(*flags))
+        (row,) = [row for row in rows if row["check"] == "unused parameters"]
+        assert row["status"] == status and "no gradient from some samples for experts.0.weight" in row["summary"], row
+        assert "--find_unused_parameters true" in row["fix"], row
 
 
 def test_unused_parameters_only_warn_when_ddp_is_told():
@@ -275,6 +300,42 @@ def test_two_gloo_processes_under_ddp_find_what_one_cannot(build_model, loss, na
     row, _ = doctor_processes.processes_check(build_model, doctor_checks.to_float64(BATCH), loss, cfg_for())
     assert set(descendants(os.getpid())) == before
     assert row["status"] == "fail" and named in row["summary"], row
+
+
+@pytest.mark.parametrize(
+    "build_model, loss, status, named",
+    [
+        # A key bias: its gradient is zero in exact arithmetic, rounding noise in each run (the
+        # zero gradients row's), and AdamW's steps of that noise differ: neither is a fault.
+        (key_bias, loss_fn, "pass", "agree to 1e-10 (float64)"),
+        # A fault a millionth in size, in float64 throughout: far above float64's rounding.
+        (scales_by_a_millionth, loss_fn, "fail", "the loss is not the mean over the batch's samples"),
+        # Computing in float32 inside (as Mamba does) is not a fault: a warning naming where...
+        (casts_inside, loss_fn, "warn", "decay (float)"),
+        # ...and a fault in such a model still fails: a loss that is not the mean, a forward
+        # that depends on the world size by 1e-4 (a looser float32 tolerance would miss it).
+        (casts_inside, loss_per_class_present, "fail", "the loss is not the mean over the batch's samples"),
+        (casts_inside_and_scales, loss_fn, "fail", "the loss is not the mean over the batch's samples"),
+    ],
+)
+def test_two_processes_are_judged_at_the_precision_the_model_computes_in(build_model, loss, status, named):
+    """Compared at the scale of the whole gradient, to float64's rounding, or to float32's where
+    the model computes in float32 whatever it is given (named, as a warning)."""
+    row, _ = doctor_processes.processes_check(build_model, doctor_checks.to_float64(BATCH), loss, cfg_for())
+    assert row["status"] == status and named in row["summary"], row
+    if status == "warn":
+        assert "compute in float32 whatever dtype they are given" in row["summary"] and row["fix"], row
+
+
+def test_one_process_judges_at_the_precision_the_model_computes_in_too():
+    row = doctor_equivalence.equivalence_check(key_bias(None).double(), doctor_checks.to_float64(BATCH), loss_fn)
+    assert row["status"] == "pass", row
+    row = doctor_equivalence.equivalence_check(casts_inside(None).double(), doctor_checks.to_float64(BATCH), loss_fn)
+    assert row["status"] == "warn" and "decay (float)" in row["summary"], row
+    row = doctor_equivalence.equivalence_check(
+        casts_inside(None).double(), doctor_checks.to_float64(BATCH), loss_per_class_present
+    )
+    assert row["status"] == "fail", row
 
 
 def test_a_forward_that_changes_parameters_is_found_by_the_steps_of_two_processes():

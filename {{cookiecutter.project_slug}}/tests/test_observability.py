@@ -145,3 +145,24 @@ def test_compile_trains_and_matches_eager_closely(tmp_path):
     run_training(tmp_path / "compiled", "--amp", "none", "--epochs", "1", "--compile", "true", timeout=300)
     eager, compiled = read_metrics(tmp_path / "eager")[0], read_metrics(tmp_path / "compiled")[0]
     assert compiled["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-3)
+
+
+def test_mfu_is_reported_where_the_peak_is_known(tmp_path):
+    """--peak_tflops: the FLOPs of a sample counted on the meta device, MFU in every metrics line."""
+    run_training(tmp_path, "--peak_tflops", "100", "--epochs", "1", nproc=1)
+    assert all(0 < line["mfu"] < 1 for line in read_metrics(tmp_path))
+
+
+def test_nothing_outside_the_step_stops_a_run(tmp_path):
+    """A model whose forward cannot run on the meta device (it reads a value, as Hugging Face's
+    mask code does) gets no MFU, and a profile that cannot be written (its folder is a file) is
+    lost: each says so in one warning, and the run trains to the end as it would have."""
+    (tmp_path / "profile").write_text("not a folder")
+    flags = ["--peak_tflops", "100", "--profile_steps", "2:3", "--epochs", "1"]
+    result = run_training(tmp_path, *flags, nproc=2, probe="item_in_forward")
+    printed = result.stdout + result.stderr
+    assert printed.count("MFU not reported: the model's forward cannot run on the meta device") == 1, printed
+    assert printed.count("--profile_steps: the profile of steps 2-3 could not be written") == 1, printed
+    assert "Traceback" not in printed, printed
+    assert all("mfu" not in line for line in read_metrics(tmp_path))
+    assert read_metrics(tmp_path)[-1]["val_loss"] < task_settings.CHANCE_LOSS
