@@ -24,7 +24,7 @@
 # back from $OUT). The "s" column is the check's seconds when the row was written.
 #
 # The checks (number, what; the plan table below has each one's plan and seconds):
-#   0. always: the GPU's name, torch's version and the peak ddp_utils/metrics.py matches for MFU.
+#   0. always: the GPU's name, torch's version and the peak ddp_utils/flops.py matches for MFU.
 #   1. throughput: a 1-GPU NCCL run of train.py per amp mode, with and without torch.compile, on
 #      a compute-bound MLP: samples/s, MFU, peak memory, data-wait share, speedup over none.
 #      Targets: bf16 >= 1.8x none; MFU >= 40% in bf16; data wait < 5%.
@@ -286,7 +286,7 @@ def checked_evaluate(self):
     def count(*_):
         forwards[0] += 1
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        if "called a synchronizing CUDA operation" in str(message):  # not the mode's own first note
             syncs.append((forwards[0], "".join(traceback.format_stack(limit=6)[:-1])))
     hook = self.strategy.module.register_forward_hook(count)
     with warnings.catch_warnings():
@@ -817,10 +817,11 @@ gpu=$("$python" - "$project" <<'PY'
 import sys
 import torch
 
+sys.path.insert(0, sys.argv[1])
+from ddp_utils.flops import peak_tflops  # first: a machine without a GPU checks the import too
+
 if not torch.cuda.is_available():
     sys.exit("gpu_check.sh: no CUDA GPU visible")
-sys.path.insert(0, sys.argv[1])
-from ddp_utils.metrics import peak_tflops
 
 name = torch.cuda.get_device_name()
 peaks = {"bf16": peak_tflops(name, "bf16", True), "fp16": peak_tflops(name, "fp16", True),
@@ -828,7 +829,7 @@ peaks = {"bf16": peak_tflops(name, "bf16", True), "fp16": peak_tflops(name, "fp1
 text = ", ".join(f"{k} {v:g}" for k, v in peaks.items())
 status = "ok" if peaks["bf16"] > 0 or peaks["fp16"] > 0 else "no peak in the table (MFU not reported; --peak_tflops)"
 print(f"{status} ({torch.cuda.device_count()} x {name!r}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
-      f"ddp_utils/metrics.py peak TFLOP/s: {text})")
+      f"ddp_utils/flops.py peak TFLOP/s: {text})")
 PY
 ) || exit 1
 runs=$(mktemp -d)

@@ -850,6 +850,43 @@ MUTANTS = [
         "    classes = {type(model): None}\n",
         ("tests/test_contract.py::test_a_near_miss_of_a_hook_on_the_model_the_datasets_or_the_config_is_reported",),
     ),
+    Mutant(
+        "flop_count_failure_escapes",
+        "a model whose forward cannot run on the meta device (Hugging Face's mask code) crashes the run "
+        "where MFU is reported, instead of training without it",
+        "ddp_utils/flops.py",
+        "flops_per_sample=counted_flops(cfg, task, one_sample) if peak > 0 else 0,",
+        "flops_per_sample=flops_per_sample(cfg, task, one_sample) if peak > 0 else 0,",
+        ("tests/test_observability.py::test_nothing_outside_the_step_stops_a_run",),
+    ),
+    Mutant(
+        "doctor_tolerance_loosened",
+        "the doctor compares float64 runs at 1e-1 of the largest entry, not 1e-10: subtle faults pass",
+        "ddp_utils/doctor_numerics.py",
+        "EXACT = 1e-10",
+        "EXACT = 1e-1",
+        (
+            "tests/test_doctor.py::test_two_processes_are_judged_at_the_precision_the_model_computes_in",
+            "tests/test_doctor.py::test_one_process_judges_at_the_precision_the_model_computes_in_too",
+        ),
+    ),
+    Mutant(
+        "doctor_float32_tolerance_loosened",
+        "a model that computes in float32 inside is compared at 1e-2, not 1e-6: a fault under 1% passes",
+        "ddp_utils/doctor_numerics.py",
+        "TOLERANCES = {torch.float32: 1e-6,",
+        "TOLERANCES = {torch.float32: 1e-2,",
+        ("tests/test_doctor.py::test_two_processes_are_judged_at_the_precision_the_model_computes_in",),
+    ),
+    Mutant(
+        "tabular_statistics_over_all_rows",
+        "the table's features are standardised with statistics of the validation rows too (a leak)",
+        "dataset.py",
+        'state["mean"], state["std"] = statistics(inputs[train_rows])',
+        'state["mean"], state["std"] = statistics(inputs)',
+        ("tests/test_task.py::test_standardisation_uses_the_training_rows_alone",),
+        task="tabular",
+    ),
 ]
 
 

@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 import task_settings
 import torch
-from conftest import TINY_CONFIG, load_final_model, probe_output, read_metrics, relative_difference, run_training
+from conftest import (
+    TINY_CONFIG,
+    compared_metrics,
+    load_final_model,
+    probe_output,
+    read_metrics,
+    relative_difference,
+    run_tolerance,
+    run_training,
+)
 from torch.utils.data import Dataset, get_worker_info
 
 from config import Config
@@ -58,7 +67,7 @@ def test_world_size_and_accumulation_give_the_same_parameters(equivalent_runs):
     for name in compared_runs():
         model = equivalent_runs[name].model
         for key in reference:
-            assert relative_difference(model[key], reference[key]) < 1e-4, (name, key)
+            assert relative_difference(model[key], reference[key]) < run_tolerance(), (name, key)
 
 
 def test_world_size_and_accumulation_give_the_same_gradients(equivalent_runs):
@@ -77,8 +86,10 @@ def test_world_size_and_accumulation_give_the_same_metrics(equivalent_runs):
         for ours, theirs in zip(read_metrics(equivalent_runs[name].output_dir), reference, strict=True):
             assert ours["step"] == theirs["step"]
             assert ours["val_samples"] == theirs["val_samples"] == 255
-            for key in ("train_loss", "val_loss", "val_accuracy"):
-                assert ours[key] == pytest.approx(theirs[key], rel=1e-4), (name, key)
+            ours, theirs = compared_metrics(ours), compared_metrics(theirs)  # the task's metrics, whatever they are
+            assert ours.keys() == theirs.keys() and "val_loss" in ours
+            for key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], rel=run_tolerance()), (name, key)
 
 
 def test_accumulation_all_reduces_once_per_optimizer_step(equivalent_runs):
@@ -96,9 +107,9 @@ def test_evaluation_counts_every_sample_once(equivalent_runs, tmp_path):
     checkpoint = single.output_dir / "checkpoints" / "last.pt"
     result = run_training(tmp_path, *EXACT, "--resume", checkpoint, nproc=2, probe="float64,eval_only")
     (metrics,) = probe_output(result)
-    assert metrics["val_samples"] == 255
-    assert metrics["val_accuracy"] == expected["val_accuracy"]
-    assert metrics["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-6)
+    assert metrics["val_samples"] == 255 and "val_loss" in metrics
+    for key, value in metrics.items():  # the task's metrics, whatever they are: sums in another order
+        assert value == pytest.approx(expected[key], rel=run_tolerance()), key
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,23 @@ def test_the_validation_split_is_a_function_of_the_rows_and_seed():
     assert torch.bincount(val_a.targets).tolist() == [round(0.1 * count) for count in counts.tolist()]  # of each class
 
 
+@pytest.mark.parametrize("target", [["--target", "grade"], ["--target", "score", "--ignore_columns", "grade"]])
+def test_standardisation_uses_the_training_rows_alone(tmp_path, target):
+    """The features (and a regression's target) are standardised with the training rows' mean
+    and std only: statistics over the validation rows too would leak them into every prediction.
+    The training rows come out with mean 0 and std 1 in each column (float32 rounding aside),
+    the held-out half, a sample of its own, does not."""
+    path = write_table(tmp_path / "table.csv", rows=400)
+    flags = [*SYNTHETIC, "--data_file", str(path), *target, "--val_fraction", "0.5"]
+    train, val = build_datasets(parse_config(Config, [*flags, "--train_samples", "0", "--val_samples", "0"]))
+    columns = [(train.inputs.double(), val.inputs.double())]
+    if train.targets.is_floating_point():
+        columns.append((train.targets.double()[:, None], val.targets.double()[:, None]))
+    for ours, held_out in columns:
+        assert ours.mean(0).abs().max() < 1e-6 and (ours.std(0, correction=0) - 1).abs().max() < 1e-6
+        assert held_out.mean(0).abs().max() > 1e-3  # the check can tell: the halves differ
+
+
 def test_dataset_is_deterministic_from_seed():
     a, _ = build_datasets(Config(seed=1).resolved())
     b, _ = build_datasets(Config(seed=1).resolved())
