@@ -884,7 +884,16 @@ MUTANTS = [
         "dataset.py",
         'state["mean"], state["std"] = statistics(inputs[train_rows])',
         'state["mean"], state["std"] = statistics(inputs)',
-        ("tests/test_task.py::test_standardisation_uses_the_training_rows_alone",),
+        ("tests/test_task.py::test_the_saved_statistics_are_the_training_rows_own",),
+        task="tabular",
+    ),
+    Mutant(
+        "tabular_target_statistics_over_all_rows",
+        "a regression target is standardised with statistics of the validation rows too (a leak)",
+        "dataset.py",
+        "statistics(targets[train_rows, None])",
+        "statistics(targets[:, None])",
+        ("tests/test_task.py::test_the_saved_statistics_are_the_training_rows_own",),
         task="tabular",
     ),
 ]

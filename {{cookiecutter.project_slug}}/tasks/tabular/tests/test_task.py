@@ -1,6 +1,7 @@
 """The tabular task: your own table (CSV, Parquet) and its errors, predict.py, the synthetic
 data, its model's FLOP count, and the worked example of a second dataset."""
 
+import csv
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -105,21 +106,54 @@ def test_the_validation_split_is_a_function_of_the_rows_and_seed():
     assert torch.bincount(val_a.targets).tolist() == [round(0.1 * count) for count in counts.tolist()]  # of each class
 
 
-@pytest.mark.parametrize("target", [["--target", "grade"], ["--target", "score", "--ignore_columns", "grade"]])
-def test_standardisation_uses_the_training_rows_alone(tmp_path, target):
-    """The features (and a regression's target) are standardised with the training rows' mean
-    and std only: statistics over the validation rows too would leak them into every prediction.
-    The training rows come out with mean 0 and std 1 in each column (float32 rounding aside),
-    the held-out half, a sample of its own, does not."""
-    path = write_table(tmp_path / "table.csv", rows=400)
-    flags = [*SYNTHETIC, "--data_file", str(path), *target, "--val_fraction", "0.5"]
-    train, val = build_datasets(parse_config(Config, [*flags, "--train_samples", "0", "--val_samples", "0"]))
-    columns = [(train.inputs.double(), val.inputs.double())]
-    if train.targets.is_floating_point():
-        columns.append((train.targets.double()[:, None], val.targets.double()[:, None]))
-    for ours, held_out in columns:
-        assert ours.mean(0).abs().max() < 1e-6 and (ours.std(0, correction=0) - 1).abs().max() < 1e-6
-        assert held_out.mean(0).abs().max() > 1e-3  # the check can tell: the halves differ
+def numbered_table(path, far_off=()):
+    """write_table's 400 rows with a first feature `row`, each row's number (a standardised row
+    names itself: round(x * std + mean)), and the rows `far_off` moved far from the rest: every
+    other feature and the score x 100 + 1e6 (their labels kept, so the split keeps them apart)."""
+    features, grade, score = table(400)
+    moved = np.zeros(len(score), dtype=bool)
+    moved[list(far_off)] = True
+    features = np.where(moved[:, None], features * 100 + 1e6, features)
+    score = np.where(moved, score * 100 + 1e6, score)
+    raw = np.column_stack([np.arange(len(score)), features])
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)  # repr of each float: read back bit for bit
+        writer.writerow(["row", *COLUMNS, "grade", "score"])
+        for values, text, number in zip(raw.tolist(), grade, score.tolist()):
+            writer.writerow([*values, text, number])
+    return path, raw, score
+
+
+def row_numbers(rows):
+    """The rows' numbers, in their order, from the standardised first feature."""
+    state = rows.state
+    return np.rint(rows.inputs[:, 0].double().numpy() * state["std"][0] + state["mean"][0]).astype(np.int64)
+
+
+@pytest.mark.parametrize("target", [["grade", "score"], ["score", "grade"]], ids=["classes", "regression"])
+def test_the_saved_statistics_are_the_training_rows_own(tmp_path, target):
+    """The features' mean and std (and a regression target's) in data_state are the training
+    rows' own, exactly: with the held-out rows moved a million away, statistics over every row
+    (a leak into every prediction) would be far off, and the held-out rows stand far from 0."""
+
+    def build(path):
+        flags = [*SYNTHETIC, "--data_file", str(path), "--target", target[0], "--ignore_columns", target[1]]
+        flags += ["--val_fraction", "0.25"]
+        return build_datasets(parse_config(Config, [*flags, "--train_samples", "0", "--val_samples", "0"]))
+
+    _, val = build(numbered_table(tmp_path / "plain.csv")[0])
+    held_out = row_numbers(val)  # the split depends on the labels and --seed alone: the same below
+    path, raw, score = numbered_table(tmp_path / "moved.csv", far_off=held_out)
+    train, val = build(path)
+    ours = row_numbers(train)  # in the order the training split holds them
+    assert sorted([*ours, *row_numbers(val)]) == list(range(400)) and set(ours).isdisjoint(held_out)
+    state = train.data_state()
+    assert state["mean"] == raw[ours].mean(axis=0).tolist() and state["std"] == raw[ours].std(axis=0).tolist()
+    assert abs(np.array(state["mean"][1:]) - raw.mean(axis=0)[1:]).min() > 1e4  # a leak would show
+    assert val.data_state() is state and val.inputs[:, 1:].abs().min() > 1e3
+    if target[0] == "score":
+        assert (state["target_mean"], state["target_std"]) == (score[ours].mean(), score[ours].std())
+        assert abs(state["target_mean"] - score.mean()) > 1e4 and val.targets.abs().min() > 1e3
 
 
 def test_dataset_is_deterministic_from_seed():
