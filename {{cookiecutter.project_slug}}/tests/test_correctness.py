@@ -73,11 +73,12 @@ def test_world_size_and_accumulation_give_the_same_parameters(equivalent_runs):
 def test_world_size_and_accumulation_give_the_same_gradients(equivalent_runs):
     """Adam barely notices gradients off by a constant factor (a loss not divided by the
     accumulation steps), so equal parameters alone would not show it; clipping thresholds and
-    SGD would. Every step's gradient norm must match the single-process run's."""
+    SGD would. Every step's gradient norm must match the single-process run's (float64: up to
+    the order of the sums)."""
     reference = equivalent_runs["1x64"].probed["grad_norms"]
     assert len(reference) == EQUIVALENCE_STEPS  # every step's
     for name in compared_runs():
-        assert equivalent_runs[name].probed["grad_norms"] == pytest.approx(reference, rel=1e-3), name
+        assert equivalent_runs[name].probed["grad_norms"] == pytest.approx(reference, rel=run_tolerance()), name
 
 
 def test_world_size_and_accumulation_give_the_same_metrics(equivalent_runs):
@@ -228,7 +229,9 @@ def test_stop_request_on_one_rank_stops_every_rank_together(tmp_path):
 
 def test_clipping_sees_the_true_gradient_norm(tmp_path):
     """Clipping acts on the true gradients: fp16 unscales first, so the norm it clips is that of
-    the fp32 run, not 65536 times larger, and after clipping the norm is max_grad_norm."""
+    the fp32 run, not 65536 times larger, and after clipping the norm is max_grad_norm. The
+    first step's norms differ by autocast's fp16 (a 10-bit mantissa: ~1e-3 per operation, a
+    few in a row): 5%, far from a scale of 65536 left in."""
     reference = run_training(tmp_path / "none", "--amp", "none", "--max_grad_norm", "0.01", probe="record_clip")
     (expected,) = probe_output(reference)
     scaled = run_training(tmp_path / "fp16", "--amp", "fp16", "--max_grad_norm", "0.01", probe="record_clip")

@@ -35,12 +35,14 @@ pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 def start_training():
     """Start a 2-process run in the background, its steps slowed until a stop signal (on the
     first attempt only): a signal or kill after a checkpoint lands mid-run, however busy the
-    machine. Killed at the end of the test."""
+    machine. In float64, as the `reference` runs it is compared with. Killed at the end of the
+    test."""
     processes = []
 
     def start(output_dir, *args, torchrun_args=()):
         log = open(output_dir.parent / f"{output_dir.name}.log", "w")
-        command = training_command(output_dir, *args, nproc=2, probe="slow_until_stopped", torchrun_args=torchrun_args)
+        command = training_command(output_dir, *args, nproc=2, probe="float64,slow_until_stopped",
+                                   torchrun_args=torchrun_args)  # fmt: skip
         # A session of its own, so cleanup reaches torchrun's workers too.
         process = subprocess.Popen(
             command, cwd=PROJECT, env=training_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -76,7 +78,7 @@ def test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact(reference, tmp_
     assert "stopped by SIGTERM at step" in log and "killed by signal" not in log, log
     step, epoch, batches_done = saved_step(output_dir)
     assert step > 20 and epoch == 1 and batches_done == step - 16  # past the last epoch boundary
-    run_training(output_dir, *ARGS, *TWO, *loading, nproc=2)  # the same command again
+    run_training(output_dir, *ARGS, *TWO, *loading, nproc=2, probe="float64")  # the same command again
     assert_same_parameters(output_dir, reference.two)
     assert_same_metrics(output_dir, reference.two)
 
@@ -106,8 +108,10 @@ def test_sigterm_to_one_node_stops_every_node_with_the_preemption_status(referen
     the status a scheduler tells a preemption by (k8s/jobset.yaml), not torchrun's 1; the run
     resumes exactly on one node."""
     port = free_port()
+    # Its steps slowed (slow_loss), in float64 as the reference ran (tests/sitecustomize.py).
     common = {"NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-              "RDZV_ENDPOINT": "", "MAX_RESTARTS": "0", "PYTHONPATH": "tests", "DDP_PROBE": "slow_loss"}  # fmt: skip
+              "RDZV_ENDPOINT": "", "MAX_RESTARTS": "0", "PYTHONPATH": "tests",
+              "DDP_PROBE": "float64,slow_loss"}  # fmt: skip
     output_dir, loading = tmp_path / "run", ["--num_workers", "2"]
     command = ["scripts/launch.sh", *TINY, *ARGS, *TWO, *loading, "--output_dir", str(output_dir)]
     logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
@@ -127,7 +131,7 @@ def test_sigterm_to_one_node_stops_every_node_with_the_preemption_status(referen
     output = "".join(log.read_text() for log in logs)
     assert codes == [128 + signal.SIGTERM] * 2, output
     assert "stopped by SIGTERM at step" in output and "killed by signal" not in output, output
-    run_training(output_dir, *ARGS, *TWO, *loading, nproc=2)
+    run_training(output_dir, *ARGS, *TWO, *loading, nproc=2, probe="float64")
     assert_same_parameters(output_dir, reference.two)
     assert_same_metrics(output_dir, reference.two)
 

@@ -81,7 +81,7 @@ def test_a_folder_of_both_strategies_resumes_its_newest_checkpoint(tmp_path):
 
 def test_resume_at_an_epoch_boundary_is_bit_identical(reference, tmp_path):
     output_dir = start_from(checkpoint(reference.two, 16), tmp_path)
-    run_training(output_dir, *ARGS, *TWO, nproc=2)
+    run_training(output_dir, *ARGS, *TWO, nproc=2, probe="float64")  # as the reference ran
     assert_same_parameters(output_dir, reference.two)
     assert [m["epoch"] for m in read_metrics(output_dir)] == [2, 3]
     assert_same_metrics(output_dir, reference.two)
@@ -89,7 +89,7 @@ def test_resume_at_an_epoch_boundary_is_bit_identical(reference, tmp_path):
 
 def test_resume_mid_epoch_is_bit_identical(reference, tmp_path):
     output_dir = start_from(checkpoint(reference.two, 20), tmp_path)
-    result = run_training(output_dir, *ARGS, *TWO, nproc=2)
+    result = run_training(output_dir, *ARGS, *TWO, nproc=2, probe="float64")
     assert "resumed from" in result.stdout and "epoch 2, step 20" in result.stdout
     assert_same_parameters(output_dir, reference.two)
     assert_same_metrics(output_dir, reference.two)  # epoch 2's train_loss includes steps 17-20
@@ -101,7 +101,7 @@ def test_truncated_last_checkpoint_falls_back_to_the_newest_valid_one(reference,
     last = output_dir / "checkpoints" / "last.pt"
     whole = checkpoint(reference.one, 44).read_bytes()
     last.write_bytes(whole[: len(whole) // 2])  # a copy cut short
-    result = run_training(output_dir, *ARGS, *ONE)
+    result = run_training(output_dir, *ARGS, *ONE, probe="float64")
     assert result.stdout.count(f"checkpoint {last} is unreadable") == 1, result.stdout
     assert "resumed from" in result.stdout and "step 36" in result.stdout
     assert_same_parameters(output_dir, reference.one)
@@ -126,14 +126,14 @@ def test_a_crash_during_any_checkpoint_write_loses_nothing(reference, tmp_path, 
     is (last.pt too, if it were written in place). last.pt is then still the newest complete
     checkpoint, the very file of the newest numbered one (a hard link, never a second write),
     and the resume reads it without an "unreadable" warning and ends as the uninterrupted run."""
-    result = run_training(tmp_path, *ARGS, *ONE, probe="crash_in_checkpoint_write", env={"CRASH_AT_WRITE": str(write)},
-                          check=False)  # fmt: skip
+    result = run_training(tmp_path, *ARGS, *ONE, probe="float64,crash_in_checkpoint_write",
+                          env={"CRASH_AT_WRITE": str(write)}, check=False)  # fmt: skip
     assert result.returncode == -signal.SIGKILL
     folder = tmp_path / "checkpoints"
     newest = max(folder.glob("step_*.pt"))
     assert os.path.samefile(folder / "last.pt", newest), sorted(p.name for p in folder.iterdir())
     assert saved_step(tmp_path) == (4 * (write - 1), 0, 4 * (write - 1))  # the checkpoint before the crash
-    resumed = run_training(tmp_path, *ARGS, *ONE)
+    resumed = run_training(tmp_path, *ARGS, *ONE, probe="float64")
     assert "unreadable" not in resumed.stdout + resumed.stderr
     assert f"step {4 * (write - 1)}" in resumed.stdout
     assert_same_parameters(tmp_path, reference.one)
@@ -153,10 +153,10 @@ def test_resume_mid_epoch_restores_the_random_generators(tmp_path):
 @pytest.mark.parametrize("saved_by, resumed_by", [("two", "one"), ("one", "two")])
 def test_another_world_size_continues_from_an_epoch_boundary(reference, tmp_path, saved_by, resumed_by):
     """In float64: the same data order, so the same parameters up to summation order."""
-    source = checkpoint(getattr(reference, f"{saved_by}_float64"), 16)
+    source = checkpoint(getattr(reference, saved_by), 16)
     batch, nproc = (ONE, 1) if resumed_by == "one" else (TWO, 2)
     run_training(tmp_path, *ARGS, *batch, "--resume", source, nproc=nproc, probe="float64")
-    ours, theirs = load_final_model(tmp_path), load_final_model(getattr(reference, f"{resumed_by}_float64"))
+    ours, theirs = load_final_model(tmp_path), load_final_model(getattr(reference, resumed_by))
     for key in theirs:
         assert relative_difference(ours[key], theirs[key]) < run_tolerance(), key
 
@@ -176,7 +176,8 @@ def shape_change():
 
 def test_checkpoint_of_another_model_shape_is_refused(reference, tmp_path):
     change, message = shape_change()
-    result = run_training(tmp_path, *ARGS, *change, "--resume", checkpoint(reference.two, 16), check=False)
+    result = run_training(tmp_path, *ARGS, *change, "--resume", checkpoint(reference.two, 16), probe="float64",
+                          check=False)  # fmt: skip
     assert result.returncode == 1
     assert message in result.stdout
 
@@ -200,9 +201,9 @@ def test_mid_epoch_checkpoint_resumes_on_another_world_size(reference, tmp_path)
     """Step 20 of the 2-process run is 256 samples into epoch 2: 4 batches of 64 for one process
     (the same data order, so the same result), and for a global batch of 48 the nearest whole
     batch is sample 240: 16 samples trained twice, said in one warning, and the run completes."""
-    source = checkpoint(reference.two_float64, 20)
+    source = checkpoint(reference.two, 20)
     run_training(tmp_path / "one", *ARGS, *ONE, "--resume", source, probe="float64")
-    ours, theirs = load_final_model(tmp_path / "one"), load_final_model(reference.one_float64)
+    ours, theirs = load_final_model(tmp_path / "one"), load_final_model(reference.one)
     for key in theirs:  # in float64: summation order aside
         assert relative_difference(ours[key], theirs[key]) < run_tolerance(), key
     result = run_training(tmp_path / "odd", *ARGS, "--batch_size", "48", "--resume", source, probe="float64")
@@ -221,7 +222,7 @@ def test_the_learning_rate_stays_on_course_when_the_world_size_changes(reference
     epoch ends at the lr of the uninterrupted run and the last one at the floor (lr x 0.1)."""
     source = checkpoint(getattr(reference, saved_by), 16)
     batch, nproc = (TWO, 1) if saved_by == "two" else (ONE, 2)
-    run_training(tmp_path, *ARGS, *batch, "--resume", source, nproc=nproc)
+    run_training(tmp_path, *ARGS, *batch, "--resume", source, nproc=nproc, probe="float64")
     ours = [m["lr"] for m in read_metrics(tmp_path)]
     theirs = [m["lr"] for m in read_metrics(getattr(reference, saved_by))]
     assert ours == pytest.approx(theirs[1:], rel=1e-12), resumed_with

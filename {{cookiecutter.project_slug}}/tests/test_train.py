@@ -113,15 +113,19 @@ def test_weight_decay_shrinks_matrices_and_never_biases_or_norms(tmp_path):
     """AdamW's two parameter groups (optim.build_optimizer): --weight_decay acts on every
     parameter of 2 or more dimensions (matrices, convolution kernels, embeddings) and on none
     of 1 (biases, LayerNorm and BatchNorm weights). One step from the same start with
-    --weight_decay 0 and 0.5 (the same gradients): exactly the former differ."""
+    --weight_decay 0 and 0.5 (the same gradients): exactly the former differ, but for a matrix
+    that starts at zero (a head the model zero-initialises), which has nothing to decay yet."""
     one_step = ["--amp", "none", "--max_steps", "1", "--lr", "0.01"]
     run_training(tmp_path / "off", *one_step, "--weight_decay", "0")
-    run_training(tmp_path / "on", *one_step, "--weight_decay", "0.5")
+    run_training(tmp_path / "on", *one_step, "--weight_decay", "0.5", probe="record_initial_weights")
     off, on = load_final_model(tmp_path / "off"), load_final_model(tmp_path / "on")
+    start = torch.load(tmp_path / "on" / "initial_weights.pt", weights_only=True)
     cfg = Config(**torch.load(tmp_path / "on" / "checkpoints" / "last.pt", weights_only=True)["config"])
     parameters = {name for name, _ in TASK.build_model(cfg).named_parameters(remove_duplicate=False)}
     decayed = sorted(name for name in parameters if not torch.equal(off[name], on[name]))
-    assert decayed == sorted(name for name in parameters if off[name].dim() >= 2), decayed
+    zero_at_start = {name for name, value in start.items() if not value.any()}
+    assert decayed == sorted(name for name in parameters if off[name].dim() >= 2 and name not in zero_at_start), decayed
+    assert decayed, "no parameter decayed"
     assert any(off[name].dim() < 2 for name in parameters)  # biases or norms: there is something to spare
 
 
@@ -184,7 +188,13 @@ def test_readme_config_table_matches_config():
         choices = field.metadata["choices"]
         meaning = field.metadata["help"] + (f"; one of: {', '.join(choices)}" if choices else "")
         expected[field.name] = (default, meaning)
-    assert table == expected
+    missing, gone = sorted(expected.keys() - table.keys()), sorted(table.keys() - expected.keys())
+    changed = sorted(name for name in expected.keys() & table.keys() if table[name] != expected[name])
+    assert table == expected, (
+        f"docs/configuration.md's tables are not Config's fields (after a change of ModelConfig or DataConfig: "
+        f"its section 'This task's fields'): no row for {missing}, rows for fields that are gone {gone}, "
+        f"another default or help text for {changed}"
+    )
 
 
 def test_ddps_buffer_setting_is_the_name_each_supported_torch_knows():
