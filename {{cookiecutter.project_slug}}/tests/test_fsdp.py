@@ -39,6 +39,7 @@ from ddp_utils.compat import stager_reusable
 from ddp_utils.configuration import parse_config
 from ddp_utils.contract import model_inputs
 from ddp_utils.dist import DistContext
+from ddp_utils.doctor_numerics import TOLERANCES
 from ddp_utils.knobs import ConfigError
 from ddp_utils.strategy import build_module, hsdp_replicas, mesh_group_settings
 from task import TASK
@@ -244,7 +245,11 @@ def test_export_writes_one_weights_only_file_with_the_run_validation_loss(runs, 
             for name, value in functions.evaluation_sums(net(model_inputs(batch)), batch).items():
                 totals[name] = totals.get(name, 0.0) + float(value)
     val_loss = functions.evaluation_metrics(totals)["val_loss"]  # the run's sums, in another order
-    assert val_loss == pytest.approx(read_metrics(fsdp_dir)[-1]["val_loss"], rel=run_tolerance())
+    # export.py builds the model in torch's default dtype, float32, and loads the float64 run's
+    # shards into it: every weight rounded to float32 (6e-8), which moves the loss by about as
+    # much (3e-9 for the tabular MLP); float32's tolerance (the doctor's) holds it.
+    tolerance = max(run_tolerance(), TOLERANCES[torch.float32])
+    assert val_loss == pytest.approx(read_metrics(fsdp_dir)[-1]["val_loss"], rel=tolerance)
 
 
 def train_until_sigterm(output_dir, args, nproc, probe):
