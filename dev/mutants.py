@@ -42,6 +42,7 @@ CORRECTNESS = "tests/test_correctness.py"
 RESILIENCE = "tests/test_resilience.py"
 PREEMPTION = "tests/test_preemption.py"
 FSDP = "tests/test_fsdp.py"
+CLAIM = "tests/test_folder_claim.py"
 
 MUTANTS = [
     Mutant(
@@ -895,6 +896,32 @@ MUTANTS = [
         "statistics(targets[:, None])",
         ("tests/test_task.py::test_the_saved_statistics_are_the_training_rows_own",),
         task="tabular",
+    ),
+    Mutant(
+        "folder_claim_dropped",
+        "a run never claims its output folder: a second run trains beside the first",
+        "ddp_utils/folder_claim.py",
+        """            if _create(path, me):
+                return cls(path, me, note)""",
+        """            if True:
+                return cls(path, me, note)""",
+        (f"{CLAIM}::test_a_second_run_into_a_live_folder_is_refused_and_the_first_ends_as_if_alone",),
+    ),
+    Mutant(
+        "dead_owner_claim_kept",
+        "a claim whose process is gone (a SIGKILL of the whole job) locks the folder for ever",
+        "ddp_utils/folder_claim.py",
+        "        return None if process_alive(owner) else f\"its process {owner['pid']} no longer exists\"",
+        "        return None",
+        (f"{CLAIM}::test_after_a_sigkill_of_the_whole_job_the_same_command_takes_over_and_resumes_exactly",),
+    ),
+    Mutant(
+        "stale_remote_claim_kept",
+        "a claim from another machine that nobody renews (its host lost) locks the folder for ever",
+        "ddp_utils/folder_claim.py",
+        "    if age is None or age < STALE_SECONDS:",
+        "    if True:",
+        (f"{CLAIM}::test_a_claim_from_another_machine_not_renewed_is_taken_over",),
     ),
 ]
 

@@ -19,6 +19,7 @@ module has one job, on one floor; a module imports only from the modules listed 
     doctor_numerics.py     how closely two runs must agree: the model's own precision
     export.py        export.py's main: a checkpoint as one file or a Hugging Face folder
     inputs.py        what must hold before a run writes anything: data, trackers (check_inputs)
+    folder_claim.py  one run per output folder: the claim, its heartbeat, takeovers, refusals
     checkpoint.py    the Checkpointer: choose, load, save, when to save, random generators
     evaluation.py    the Validator (the task's metrics over the whole validation set) and
                      TextSamples (--sample_every_steps)

@@ -1,12 +1,14 @@
 """train.py's main: the config parsed, the process group started and destroyed, the inputs
-checked before anything is written, and the Trainer run under the exit path (faults.ExitPath),
-which turns every way a run ends into an exit code."""
+checked and the output folder claimed before anything is written, and the Trainer run under
+the exit path (faults.ExitPath), which turns every way a run ends into an exit code."""
 
+import sys
 from pathlib import Path
 
 from .configuration import parse_config, write_resolved_config
 from .dist import DeviceError, agree, cleanup_distributed, setup_distributed
 from .faults import ExitPath, write_stop_status
+from .folder_claim import claim_output_dir
 from .inputs import check_inputs
 from .knobs import InputError, print_error
 from .logs import rank_zero_only, setup_logging, warn_main
@@ -29,18 +31,24 @@ def open_trackers(trainer):
 def run(cfg, ctx, task):
     """Train; returns the exit code (ExitPath: how each failure ends). Everything holding
     process-group work (DDP's reducer) is released when this returns, before the group is
-    destroyed. Bad data or settings raise InputError before output_dir is created."""
+    destroyed. Bad data or settings raise InputError before output_dir is created, and so does
+    an output_dir that another run owns (folder_claim)."""
     datasets, notes = check_inputs(task, cfg, ctx)
-    setup_logging(ctx, cfg.output_dir)
-    for note in notes:
-        warn_main(note)
-    with ExitPath(ctx, cfg.timeout_seconds) as ending:
-        trainer = ending.watch(Trainer(cfg, ctx, task, datasets))
-        trainer.resume()
-        write_config(trainer)
-        open_trackers(trainer)
-        trainer.train()
-        trainer.checkpointer.wait()  # an asynchronous save complete before the exit
+    claim = claim_output_dir(ctx, cfg.output_dir, say=lambda line: print(f"train.py: {line}", file=sys.stderr))
+    try:
+        setup_logging(ctx, cfg.output_dir)
+        for note in [claim.note, *notes]:
+            if note:
+                warn_main(note)
+        with ExitPath(ctx, cfg.timeout_seconds) as ending:
+            trainer = ending.watch(Trainer(cfg, ctx, task, datasets))
+            trainer.resume()
+            write_config(trainer)
+            open_trackers(trainer)
+            trainer.train()
+            trainer.checkpointer.wait()  # an asynchronous save complete before the exit
+    finally:  # not after a crash (ExitPath exits at once): a dead owner's claim is taken over
+        claim.release()
     return ending.code
 
 

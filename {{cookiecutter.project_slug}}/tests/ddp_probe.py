@@ -155,6 +155,19 @@ def slow_until_joined():
     change_training_loss(lambda loss, call: time.sleep(seconds) or loss)
 
 
+def slow_until_released():
+    """Sleep 200 ms in each training micro-step until the file $RELEASE_FILE exists: a run that
+    another run, started meanwhile, meets mid-way however long that one takes to start."""
+    release = Path(os.environ["RELEASE_FILE"])
+
+    def wait(loss, call):
+        if not release.exists():
+            time.sleep(0.2)
+        return loss
+
+    change_training_loss(wait)
+
+
 def slow_until_stopped():
     """Sleep 200 ms in each training micro-step until this process gets a stop signal (SIGTERM,
     SIGUSR1), on a first attempt only (not after torchrun's restart or SLURM's requeue): a run
@@ -563,7 +576,8 @@ PROBES = {
     f.__name__: f
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
-    + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_checkpoint_write)
+    + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_until_released)
+    + (slow_checkpoint_write,)
     + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
     + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads, item_in_forward)
 }

@@ -1,0 +1,227 @@
+"""One run owns its output folder (ddp_utils/folder_claim.py): a second run into a live folder
+is refused and the first ends as if alone; a dead owner's claim is taken over; an earlier start
+of the same job is waited for; each launcher names its job."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import tomllib
+from conftest import (
+    ARGS,
+    LR,
+    PROJECT,
+    TWO,
+    assert_same_metrics,
+    assert_same_parameters,
+    checkpoint,
+    kill_tree,
+    run_training,
+    training_command,
+    training_env,
+    wait_for,
+)
+
+from ddp_utils import folder_claim
+from ddp_utils.folder_claim import CLAIM_FILE, Claim, ClaimRefused, job_identity
+
+pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
+
+
+@pytest.fixture
+def start_slow_run():
+    """Start a 2-process float64 run (as the `reference` runs) that crawls, 200 ms a micro-step,
+    until the file `release` exists; killed at the end of the test."""
+    processes = []
+
+    def start(output_dir, release):
+        log = open(output_dir.parent / f"{output_dir.name}.log", "w")
+        command = training_command(output_dir, *ARGS, *TWO, nproc=2, probe="float64,slow_until_released")
+        process = subprocess.Popen(command, cwd=PROJECT, env=training_env({"RELEASE_FILE": str(release)}),
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        kill_tree(process.pid)
+        process.wait()
+
+
+def test_a_second_run_into_a_live_folder_is_refused_and_the_first_ends_as_if_alone(reference, tmp_path, start_slow_run):
+    output_dir, release = tmp_path / "run", tmp_path / "release"
+    first = start_slow_run(output_dir, release)
+    wait_for(checkpoint(output_dir, 4), first)
+    owner = json.loads((output_dir / CLAIM_FILE).read_text())
+    # A relaunch with another --lr: refused before it writes anything.
+    second = run_training(output_dir, *ARGS, *TWO, "--lr", LR * 2, nproc=2, check=False)
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert second.returncode != 0 and len(errors) == 1, second.stdout + second.stderr
+    assert "belongs to a run in progress" in errors[0] and f"host {owner['host']}, pid {owner['pid']}" in errors[0]
+    assert owner["job"] in errors[0]  # torchrun's run id names the job
+    assert first.poll() is None, "the first run did not outlive the second's start"
+    release.touch()
+    assert first.wait(timeout=300) == 0, (output_dir.parent / "run.log").read_text()
+    assert_same_parameters(output_dir, reference.two)
+    assert_same_metrics(output_dir, reference.two)
+    assert config_value(output_dir / "config.toml", "lr") == LR  # the first run's config, not the second's
+    assert not (output_dir / CLAIM_FILE).exists(), "the claim outlived its run"
+
+
+def test_after_a_sigkill_of_the_whole_job_the_same_command_takes_over_and_resumes_exactly(
+    reference, tmp_path, start_slow_run
+):
+    output_dir = tmp_path / "run"
+    first = start_slow_run(output_dir, tmp_path / "never")
+    wait_for(checkpoint(output_dir, 8), first)
+    kill_tree(first.pid)  # torchrun and its workers at once: nothing lets go of the folder
+    first.wait()
+    dead = json.loads((output_dir / CLAIM_FILE).read_text())
+    result = run_training(output_dir, *ARGS, *TWO, nproc=2, probe="float64")  # the same command
+    assert f"took over {output_dir} from host {dead['host']}, pid {dead['pid']}" in result.stdout
+    assert f"its process {dead['pid']} no longer exists" in result.stdout
+    assert_same_parameters(output_dir, reference.two)
+    assert_same_metrics(output_dir, reference.two)
+
+
+def config_value(path, name):
+    """Field `name` of a config.toml, whichever table holds it."""
+    tables = [tomllib.loads(path.read_text())]
+    while tables:
+        table = tables.pop()
+        if name in table:
+            return table[name]
+        tables += [value for value in table.values() if isinstance(value, dict)]
+    raise KeyError(name)
+
+
+# --- the rules, on claims written by hand (no training) ----------------------------------
+
+
+@pytest.fixture
+def fast_claims(monkeypatch):
+    """Heartbeats and staleness in fractions of a second."""
+    monkeypatch.setattr(folder_claim, "BEAT_SECONDS", 0.05)
+    monkeypatch.setattr(folder_claim, "STALE_SECONDS", 1.0)
+
+
+def write_claim(folder, **fields):
+    folder.mkdir(parents=True, exist_ok=True)
+    owner = {"job": "job A", "host": "node7", "pid": 4242, "started": "2026-01-01T00:00:00+00:00",
+             "machine": "node7 another-boot pid:[1]", "process_start": 99, "token": "theirs", **fields}  # fmt: skip
+    (folder / CLAIM_FILE).write_text(json.dumps(owner))
+    return folder / CLAIM_FILE
+
+
+def take(folder, job="job B", wait_seconds=5.0):
+    said = []
+    claim = Claim.take(folder, job, wait_seconds, said.append)
+    claim.release()
+    return claim, said
+
+
+def age(path, seconds):
+    """Make the claim look last renewed `seconds` ago."""
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+@pytest.fixture
+def renewing():
+    """Renew a claim from a thread, as its owner's heartbeat would (each renewal another time,
+    all of them `seconds_ago` in the past: the owner's clock may be behind); returns the
+    thread's stop event."""
+    stops = []
+
+    def start(path, seconds_ago=0.0):
+        stop = threading.Event()
+        stops.append(stop)
+
+        def beat():
+            step = 0
+            while not stop.wait(0.01):
+                step += 1
+                past = time.time() - seconds_ago + step * 1e-3
+                os.utime(path, (past, past))
+
+        threading.Thread(target=beat, daemon=True).start()
+        return stop
+
+    yield start
+    for stop in stops:
+        stop.set()
+
+
+def test_a_live_claim_from_another_machine_refuses_another_job(tmp_path, fast_claims, renewing):
+    path = write_claim(tmp_path)
+    renewing(path).set()  # renewed a moment ago
+    time.sleep(0.05)
+    with pytest.raises(ClaimRefused, match=r"belongs to a run in progress \(host node7, pid 4242, .*job A\)"):
+        take(tmp_path)
+    # Looking old on the file system's clock, but renewed while watched: alive (clocks differ).
+    renewing(path, seconds_ago=100)
+    time.sleep(0.05)
+    with pytest.raises(ClaimRefused):
+        take(tmp_path)
+
+
+def test_a_claim_from_another_machine_not_renewed_is_taken_over(tmp_path, fast_claims):
+    path = write_claim(tmp_path)
+    age(path, 100)
+    claim, _ = take(tmp_path)
+    assert claim.note.startswith(f"took over {tmp_path} from host node7, pid 4242")
+    assert "not renewed for" in claim.note
+    assert not path.exists()  # released by take()
+
+
+def test_a_dead_process_or_a_damaged_claim_on_this_machine_is_taken_over(tmp_path, fast_claims):
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    path = write_claim(tmp_path, pid=ended.pid, machine=folder_claim.machine_identity(),
+                       process_start=folder_claim.process_start(os.getpid()))  # fmt: skip
+    claim, _ = take(tmp_path)
+    assert f"its process {ended.pid} no longer exists" in claim.note
+    path.write_text("{half a claim")
+    claim, _ = take(tmp_path)
+    assert "damaged" in claim.note
+
+
+def test_an_earlier_start_of_the_same_job_is_waited_for_then_refused(tmp_path, fast_claims, renewing):
+    path = write_claim(tmp_path, job="job B", pid=os.getpid(), machine=folder_claim.machine_identity(),
+                       process_start=folder_claim.process_start(os.getpid()))  # fmt: skip
+    threading.Timer(0.5, path.unlink).start()  # the old start checkpoints and lets go
+    claim, said = take(tmp_path, job="job B")
+    assert claim.note is None and len(said) == 1 and said[0].startswith("waiting up to 5.0 s for the earlier start")
+    write_claim(tmp_path, job="job B", pid=os.getpid(), machine=folder_claim.machine_identity(),
+                process_start=folder_claim.process_start(os.getpid()))  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(ClaimRefused):
+        take(tmp_path, job="job B", wait_seconds=1.0)  # still held when the wait ends
+    assert time.monotonic() - started >= 1.0
+
+
+def test_a_run_lets_go_of_its_own_claim_only(tmp_path, fast_claims):
+    mine = Claim.take(tmp_path, "job B", 1.0, print)
+    assert json.loads((tmp_path / CLAIM_FILE).read_text())["token"] == mine.owner["token"]
+    (tmp_path / CLAIM_FILE).unlink()
+    write_claim(tmp_path)  # another run took the folder over while this one was stalled
+    mine.release()
+    assert json.loads((tmp_path / CLAIM_FILE).read_text())["token"] == "theirs"
+
+
+@pytest.mark.parametrize(
+    ("environ", "job"),
+    [
+        ({"SLURM_JOB_ID": "812", "TORCHELASTIC_RUN_ID": "ddp"}, "SLURM job 812"),  # a requeue keeps it
+        ({"TRAINING_JOB_ID": "k8s:team/train", "TORCHELASTIC_RUN_ID": "none"}, "k8s:team/train"),
+        ({"TORCHELASTIC_RUN_ID": "3f2c"}, "torchrun run 3f2c"),  # --standalone: one per torchrun command
+        ({"TORCHELASTIC_RUN_ID": "none"}, None),  # a static rendezvous names no job
+        ({}, None),  # python train.py
+    ],
+)
+def test_each_launcher_names_its_job(environ, job):
+    assert job_identity(environ) == job
