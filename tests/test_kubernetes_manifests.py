@@ -32,7 +32,10 @@ def baked(request, cookies_session):
     nodes, gpus = request.param
     project = bake_ok(cookies_session, project_name=f"k8s manifests {nodes} {gpus}", task="tabular",
                       kubernetes="yes", num_nodes=nodes, gpus_per_node=gpus)  # fmt: skip
-    return {name: yaml.safe_load((project / "k8s" / f"{name}.yaml").read_text()) for name in ("trainjob", "jobset")}
+    manifests = {
+        name: yaml.safe_load((project / "k8s" / f"{name}.yaml").read_text()) for name in ("trainjob", "jobset")
+    }
+    return {**manifests, "Dockerfile": (project / "Dockerfile").read_text()}
 
 
 def schema(name):
@@ -119,6 +122,61 @@ def test_the_validator_refuses_what_the_api_server_refuses(baked):
         wrong = {**jobset, "spec": {**jobset["spec"], "failurePolicy": {**policy, "rules": rules}}}
         (found,) = object_errors(wrong, schema("jobset-v0.12.0.yaml"))
         assert found.startswith(error), found
+
+
+def pods(baked):
+    """(pod spec, training container, the container's env as the pod gets it) of each manifest."""
+    jobset_pod = baked["jobset"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (patch,) = baked["trainjob"]["spec"]["runtimePatches"]
+    (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    trainjob_pod = replicated["template"]["spec"]["template"]["spec"]
+    return {
+        "jobset": (jobset_pod, jobset_pod["containers"][0], jobset_pod["containers"][0]["env"]),
+        # Trainer adds the trainer's env to the runtime's container "node", in its order.
+        "trainjob": (trainjob_pod, trainjob_pod["containers"][0], baked["trainjob"]["spec"]["trainer"]["env"]),
+    }
+
+
+def test_the_pods_run_as_the_images_user_without_privileges(baked):
+    """The Dockerfile's USER (uid:gid) is the pods' runAsUser and runAsGroup, the checkpoint
+    volume's fsGroup its group; no capability, no escalation, a read-only root filesystem with
+    emptyDirs where the run writes: /tmp and the image's HOME."""
+    (uid, gid), *more = re.findall(r"^USER (\d+):(\d+)$", baked["Dockerfile"], re.MULTILINE)
+    assert not more and int(uid) >= 10000, uid
+    (home,) = re.findall(r"^ENV HOME=(\S+)$", baked["Dockerfile"], re.MULTILINE)
+    for name, (pod, container, _) in pods(baked).items():
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True and context["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert (context["runAsUser"], context["runAsGroup"], context["fsGroup"]) == (int(uid), int(gid), int(gid))
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                                "capabilities": {"drop": ["ALL"]}}, name  # fmt: skip
+        volumes = {volume["name"]: volume for volume in pod["volumes"]}
+        mounts = {mount["mountPath"]: volumes[mount["name"]] for mount in container["volumeMounts"]}
+        assert mounts["/tmp"]["emptyDir"] == {} and mounts[home]["emptyDir"] == {}, name
+
+
+def expanded(env, name, fields):
+    """The value Kubernetes gives variable `name` of a container's `env`: fieldRef values from
+    `fields`, and $(VAR) replaced by the value of a variable defined before it in the list
+    (a later or unknown one stays as written)."""
+    values = {}
+    for entry in env:
+        if "valueFrom" in entry:
+            values[entry["name"]] = fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            values[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: values.get(m[1], m[0]), entry["value"])
+    return values[name]
+
+
+def test_the_training_job_id_is_the_jobs_namespace_and_name(baked):
+    """TRAINING_JOB_ID: the same in every pod of a job and across its restarts (from the
+    namespace and the job's name alone: no pod's own field), another for another job (the API
+    server keeps names unique in a namespace)."""
+    for kind, (_, _, env) in pods(baked).items():
+        job_name = baked[kind]["metadata"]["name"]
+        for namespace in ("team-a", "team-b"):
+            pod_fields = {"metadata.namespace": namespace, "metadata.name": f"{job_name}-node-0-0-x7k2p"}
+            assert expanded(env, "TRAINING_JOB_ID", pod_fields) == f"k8s:{namespace}/{job_name}", kind
 
 
 def without_none(value):

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
-import pickle
+import pickle  # nosec B403  # loads only its own job file (rank_main)
 import subprocess
 import sys
 import tempfile
@@ -256,8 +256,12 @@ def rank_main(folder, rank):
     parent = os.getppid()
     threading.Thread(target=end_when_orphaned, args=(parent,), name="orphaned", daemon=True).start()
     try:
+        # The job is no outside data: this process's parent pickled it (run_processes) into the
+        # temporary folder it made for these two processes, which only its user can write to
+        # (mode 0700). Pickle, not torch.load's weights_only: the job holds the model's code (its
+        # build function, the loss).
         with open(folder / "job.pkl", "rb") as file:
-            job = pickle.load(file)
+            job = pickle.load(file)  # nosec B301  # the parent's own file (above)
         torch.set_default_dtype(torch.float64)
         store = dist.FileStore(str(folder / "store"), 2)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
