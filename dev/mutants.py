@@ -923,6 +923,14 @@ MUTANTS = [
         "    if True:",
         (f"{CLAIM}::test_a_claim_from_another_machine_not_renewed_is_taken_over",),
     ),
+    Mutant(
+        "half_written_save_not_cleared",
+        "fsdp: a save killed half-way leaves its temporary folder, and saving that step again after the resume fails",
+        "ddp_utils/checkpoint_files.py",
+        "        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way\n",
+        "",
+        ("tests/test_chaos.py",),
+    ),
 ]
 
 
