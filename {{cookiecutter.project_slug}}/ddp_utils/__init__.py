@@ -20,7 +20,8 @@ module has one job, on one floor; a module imports only from the modules listed 
     export.py        export.py's main: a checkpoint as one file or a Hugging Face folder
     inputs.py        what must hold before a run writes anything: data, trackers (check_inputs)
     folder_claim.py  one run per output folder: the claim, its heartbeat, takeovers, refusals
-    checkpoint.py    the Checkpointer: choose, load, save, when to save, random generators
+    checkpoint.py    the Checkpointer: choose, load, save, when to save, random generators,
+                     room for the checkpoints before the first step
     evaluation.py    the Validator (the task's metrics over the whole validation set) and
                      TextSamples (--sample_every_steps)
     metrics.py       the Meter and Reporter: metrics.jsonl, progress, step timing, loss lines
@@ -31,6 +32,7 @@ module has one job, on one floor; a module imports only from the modules listed 
                      checks across fields; the TOML file that reproduces a run
     trackers.py      TensorBoard, W&B, MLflow (--tracker)
     checkpoint_files.py  the checkpoint formats on disk: single files, DCP folders
+    checkpoint_space.py  a checkpoint's size, the room the kept ones need, a full disk in words
     compat.py        bridges between the torch releases the project supports
     data.py          which rank sees which samples, loaders, seeding
     dist.py          the process group, devices, collectives and store waits

@@ -1,5 +1,6 @@
 """The Checkpointer: which checkpoint to resume, loading it on every rank, saving where training
-is, and where in the epoch to continue. checkpoint_files.py holds the formats on disk.
+is, where in the epoch to continue, and whether the folder has room for the checkpoints before
+the first step. checkpoint_files.py holds the formats on disk, checkpoint_space.py their sizes.
 
 A checkpoint holds the model and optimizer state (one file under ddp, shards under fsdp: the
 strategy's `save` and `load`), the loss scaler, the trainer's progress (epoch, step, samples),
@@ -17,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_files import checkpoint_candidates, load_checkpoint, load_latest_checkpoint
-from .dist import share_from_main, store_barrier
+from .checkpoint_space import one_file_bytes, optimizer_bytes, serialized_bytes, sharded_bytes, space, tensor_bytes
+from .dist import agree, share_from_main, store_barrier
 from .faults import CheckpointError, TrainingError
-from .logs import report
+from .logs import log, report
 
 
 class Checkpointer:
@@ -118,16 +120,8 @@ class Checkpointer:
         `stopping`: the process exits next, so an asynchronous save is completed."""
         self.watchdog.beat(f"checkpoint at step {progress['step']}", seconds=self.cfg.checkpoint_timeout_seconds)
         ranks = [None] * self.ctx.world_size
-        dist.all_gather_object(ranks, {"rng": rng_state(), "loss_totals": loss_totals.cpu()})
-        state = {  # with the model and optimizer state the strategy adds (one file, or shards)
-            "scaler": self.scaler.state_dict(),
-            **progress,
-            "world_size": self.ctx.world_size,
-            "ranks": ranks,
-            "config": self.cfg.to_dict(),
-            "data": self.data_state,
-        }
-        self.strategy.save(state, self.optimizer, self.folder, self.cfg)
+        dist.all_gather_object(ranks, rank_state(loss_totals))
+        self.strategy.save(self._state(progress, ranks), self.optimizer, self.folder, self.cfg)
         self.last_saved = progress["step"]
         if stopping:
             self.strategy.wait_for_checkpoint()
@@ -135,6 +129,49 @@ class Checkpointer:
     def wait(self):
         """Until an asynchronous save in flight is complete (before the process exits)."""
         self.strategy.wait_for_checkpoint()
+
+    def _state(self, progress, ranks):
+        """A checkpoint's state but the model and optimizer, which the strategy adds (one file, or
+        shards beside it)."""
+        return {
+            "scaler": self.scaler.state_dict(),
+            **progress,
+            "world_size": self.ctx.world_size,
+            "ranks": ranks,
+            "config": self.cfg.to_dict(),
+            "data": self.data_state,
+        }
+
+    def space(self, progress, loss_totals):
+        """(the Space of the checkpoint folder for this run's checkpoints, the bytes this rank
+        writes of each): what `save` would write now, the model's tensors and the optimizer's state
+        counted (checkpoint_space, as it will hold it before its first step), the trainer's state
+        measured (every rank's generators as large as this one's). No collective."""
+        ctx, sharded = self.ctx, self.strategy.sharded
+        # torch.save writes a storage once (tied weights), DCP every name.
+        tensors = tensor_bytes(self.strategy.module.state_dict(), once=not sharded) + optimizer_bytes(self.optimizer)
+        trainer = serialized_bytes(self._state(progress, []))
+        trainer += ctx.world_size * serialized_bytes(rank_state(loss_totals))
+        if sharded:  # every rank writes its shards, rank 0 also trainer.pt
+            size, own = sharded_bytes(tensors, ctx.world_size, trainer, ctx.is_main)
+        else:  # rank 0 writes it all
+            size = one_file_bytes(tensors, trainer)
+            own = size if ctx.is_main else 0
+        return space(self.folder, size, self.cfg.keep_checkpoints), own
+
+    def check_space(self, progress, loss_totals):
+        """Before the first step: stop every rank, with one line, when the checkpoint folder cannot
+        hold this run's checkpoints at their peak (--keep_checkpoints kept and the one being
+        written), as seen from each rank that writes (ddp: rank 0; fsdp: every rank): better now
+        than at the first save, hours in. A check that cannot be made (an unreadable folder) is a
+        warning: the saves say what goes wrong with them."""
+        problem = None
+        try:
+            room, own = self.space(progress, loss_totals)
+            problem = room.shortfall() if own else None
+        except OSError as error:
+            log.warning("could not check the room for checkpoints in %s: %s", self.folder, error)  # on its rank
+        agree(self.ctx, "checkpoint_space", problem, self.cfg.timeout_seconds, error=CheckpointError)
 
 
 def resume_position(samples_done, global_batch, steps_per_epoch, epoch):
@@ -152,6 +189,11 @@ def resume_position(samples_done, global_batch, steps_per_epoch, epoch):
         f"stopped {samples_done} samples into epoch {epoch + 1}, not a whole number of global batches of "
         f"{global_batch}: resuming at sample {resume_at}, so {change} this epoch"
     )
+
+
+def rank_state(loss_totals):
+    """What a checkpoint holds of each rank: its random generators and partial loss sums."""
+    return {"rng": rng_state(), "loss_totals": loss_totals.cpu()}
 
 
 def rng_state():

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint_space import SPACE_ERRNOS, first_line, one_file_bytes, save_failure, sharded_bytes, tensor_bytes
 from .dist import store_barrier
 from .faults import CheckpointError
 from .files import replace_folder, write_atomically
-from .logs import log, rank_zero_only, warn_main
+from .logs import rank_zero_only, warn_main
 
 
 def save_checkpoint(ctx, state, checkpoint_dir, step, keep, timeout_seconds):
@@ -26,7 +27,8 @@ def save_checkpoint(ctx, state, checkpoint_dir, step, keep, timeout_seconds):
 
     Global rank 0 writes; the others wait for it through the store, for up to `timeout_seconds`
     (not --timeout_seconds: a large checkpoint on a slow file system takes its time). A failed
-    write (disk full) stops every rank with the same error instead of a hang.
+    write stops every rank with the same error instead of a hang; a full disk is said in plain
+    words, with the space free and needed (checkpoint_space.save_failure).
     """
     error = _write_checkpoint(state, Path(checkpoint_dir), step, keep)
     error = store_barrier(ctx, f"checkpoint_step_{step}", error, timeout_seconds)
@@ -50,8 +52,8 @@ def _write_checkpoint(state, checkpoint_dir, step, keep):
                 old.unlink()
         _fsync_dir(checkpoint_dir)
     except Exception as error:  # OSError, or torch.save's RuntimeError when the disk fills mid-write
-        log.error("could not write checkpoint to %s: %s", checkpoint_dir, error)
-        return f"could not write checkpoint to {checkpoint_dir}: {error}"
+        # The temporary file is gone (write_atomically): the free space is what the save found.
+        return save_failure(checkpoint_dir, step, error, one_file_bytes(tensor_bytes(state)), keep)
     return None
 
 
@@ -64,10 +66,15 @@ def _atomic_link(target, path, state):
     tmp.unlink(missing_ok=True)
     try:
         os.link(target, tmp)
-    except OSError:  # a file system without hard links: write the state again
+    except OSError as error:  # a file system without hard links: write the state again
+        if error.errno in SPACE_ERRNOS:  # not for a full disk, where it fails again, slowly
+            raise
         _atomic_save(state, path)
     else:
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def _fsync_dir(path):
@@ -155,25 +162,38 @@ def load_latest_checkpoint(checkpoint_dir, sharded_only=False):
 
 
 class PendingCheckpoint:
-    """A sharded checkpoint being written; `finish()` waits for it, then makes it the newest."""
+    """A sharded checkpoint being written; `finish()` waits for it, then makes it the newest. A
+    failed one (`failure`: what DCP raised) is removed, the checkpoints before it untouched."""
 
-    def __init__(self, ctx, future, tmp, final, keep, timeout_seconds):
+    def __init__(self, ctx, future, tmp, final, keep, timeout_seconds, size, failure=None):
         self.ctx, self.future, self.tmp, self.final = ctx, future, tmp, final
         self.keep, self.timeout_seconds = keep, timeout_seconds
+        self.size, self.failure = size, failure  # the whole checkpoint's bytes, for a full disk's message
 
     def finish(self):
-        error = None
-        try:
-            if self.future is not None:
+        failure = self.failure
+        if failure is None and self.future is not None:
+            try:
                 self.future.result()
-        except Exception as failure:  # DCP's CheckpointException: every rank sees the same
-            error = f"could not write checkpoint {self.final}: {_first_line(failure)}"
+            except dcp_failures() as caught:  # DCP's CheckpointException: every rank sees the same
+                failure = caught
+        error = first_line(failure) if failure else None
         error = store_barrier(self.ctx, f"sharded_written_{self.final.name}", error, self.timeout_seconds)
-        if not error:
-            error = _publish_sharded(self.tmp, self.final, self.keep)
+        if error:  # no rank writes into it any more: removed, then the free space is what the save found
+            error = _abandon(self.tmp, self.final, failure or error, self.size, self.keep)
+        else:
+            error = _publish_sharded(self.tmp, self.final, self.keep, self.size)
         error = store_barrier(self.ctx, f"sharded_published_{self.final.name}", error, self.timeout_seconds)
         if error:
             raise CheckpointError(error)
+
+
+def dcp_failures():
+    """What a failed DCP save or load raises: its CheckpointException is a BaseException, which
+    `except Exception` would let through, and the run would crash instead of saying why."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return Exception, CheckpointException
 
 
 def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, keep, timeout_seconds, group, stager):
@@ -188,35 +208,52 @@ def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, k
     checkpoint_dir = Path(checkpoint_dir)
     final = checkpoint_dir / f"step_{step:09d}"
     tmp = checkpoint_dir / f".{final.name}.tmp"
-    error = _prepare_sharded(tmp, trainer_state)
+    size, _ = sharded_bytes(
+        tensor_bytes(sharded, once=False), ctx.world_size, one_file_bytes(tensor_bytes(trainer_state))
+    )
+    error = _prepare_sharded(tmp, trainer_state, step, size, keep)
     error = store_barrier(ctx, f"sharded_prepared_{final.name}", error, timeout_seconds)
     if error:
         raise CheckpointError(error)
-    future = None
+    future = failure = None
     try:
         if stager is None:
             dcp.save(sharded, checkpoint_id=str(tmp), process_group=group)
         else:
             future = dcp.async_save(sharded, checkpoint_id=str(tmp), process_group=group, async_stager=stager)
-    except Exception as failure:  # DCP's CheckpointException: every rank sees the same
-        raise CheckpointError(f"could not write checkpoint {final}: {_first_line(failure)}") from None
-    return PendingCheckpoint(ctx, future, tmp, final, keep, timeout_seconds)
+    except dcp_failures() as caught:  # every rank sees the same
+        failure = caught
+    pending = PendingCheckpoint(ctx, future, tmp, final, keep, timeout_seconds, size, failure)
+    if failure is not None:
+        pending.finish()  # raises, once every rank is done with the partial folder and it is gone
+    return pending
 
 
 @rank_zero_only
-def _prepare_sharded(tmp, trainer_state):
+def _prepare_sharded(tmp, trainer_state, step, size, keep):
     try:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way
         tmp.mkdir(parents=True)
         _atomic_save(trainer_state, tmp / "trainer.pt")
     except Exception as error:
-        log.error("could not write checkpoint to %s: %s", tmp.parent, error)
-        return f"could not write checkpoint to {tmp.parent}: {error}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        return save_failure(tmp.parent, step, error, size, keep)
     return None
 
 
 @rank_zero_only
-def _publish_sharded(tmp, final, keep):
+def _abandon(tmp, final, failure, size, keep):
+    """Remove the partial checkpoint `tmp`; returns the line that says why it failed."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    return save_failure(final.parent, _step(final), failure, size, keep)
+
+
+def _step(final):
+    return int(final.name.removeprefix("step_"))
+
+
+@rank_zero_only
+def _publish_sharded(tmp, final, keep, size):
     """Rename the complete `tmp` to `final`, point `last` at it, then prune: at every moment
     `last` and the step folders are complete checkpoints."""
     try:
@@ -233,8 +270,8 @@ def _publish_sharded(tmp, final, keep):
         for old in others[: len(others) - max(keep - 1, 0)]:
             shutil.rmtree(old)
     except OSError as error:
-        log.error("could not write checkpoint to %s: %s", final.parent, error)
-        return f"could not write checkpoint to {final.parent}: {error}"
+        shutil.rmtree(tmp, ignore_errors=True)  # not yet in place: never a checkpoint
+        return save_failure(final.parent, _step(final), error, size, keep)
     return None
 
 
@@ -266,8 +303,8 @@ def load_sharded_checkpoint(path, sharded, group):
 
     try:
         dcp.load(sharded, checkpoint_id=str(path), process_group=group)
-    except Exception as failure:  # DCP's CheckpointException: every rank sees the same
-        raise CheckpointError(f"checkpoint {path} is unreadable: {_first_line(failure)}") from None
+    except dcp_failures() as failure:  # DCP's CheckpointException: every rank sees the same
+        raise CheckpointError(f"checkpoint {path} is unreadable: {first_line(failure)}") from None
 
 
 def read_sharded_state(model, optimizer, path, group):
@@ -312,7 +349,3 @@ def regroup_optimizer_state(saved, optimizer, parameters, path):
     new_index = {old_index[id(p)]: i for i, p in enumerate(ours)}
     state = {new_index[i]: value for i, value in saved["state"].items()}
     return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
-
-
-def _first_line(error):
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -39,6 +39,10 @@ same config as training, and each check reports pass, warn or fail, with why and
               samples under --amp and taken to --batch_size) under ddp, fsdp over every GPU and
               hsdp at the job's world size; whether the configured --strategy fits
               --gpu_memory_gb, and what makes it fit
+  checkpoint space  the bytes of a checkpoint and what each rank writes of it (ddp: rank 0 all;
+              fsdp: every GPU its shards), and whether --output_dir here holds the
+              --keep_checkpoints kept and the one being written (a warning at most: the job's
+              own file system is the preflight's to check)
   host syncs  .item(), .tolist(), .cpu() and .numpy() in the forward and loss functions of the
               files that define the task's build_model and build_datasets: each makes the host
               wait for the GPU every step. With a GPU, also a steady-state forward and backward
@@ -78,7 +82,7 @@ from .doctor_equivalence import (
     rank_data_check,
     resume_check,
 )
-from .doctor_memory import memory_check, memory_plan
+from .doctor_memory import checkpoint_check, checkpoint_plan, memory_check, memory_plan
 from .doctor_numerics import float64_fix
 from .doctor_processes import processes_check
 from .files import write_atomically
@@ -118,6 +122,8 @@ def diagnose(task, cfg, gpu_gb, world_size, gpus_per_node):
     model, small, batches = build(task, cfg)
     plans, flags, configured = memory_plan(model, small, task.loss_fn, cfg, world_size, gpus_per_node)
     rows = [memory_check(plans, flags, configured, cfg, gpu_gb, world_size)]
+    checkpoints = checkpoint_plan(model, cfg, world_size)
+    rows.append(checkpoint_check(checkpoints, cfg, world_size))
     if torch.cuda.is_available():
         rows.append(gpu_sync_check(built(task, gpu_cfg), small, task.loss_fn, gpu_cfg))
     small = to_float64(small)  # the steps below on SAMPLES samples: a float64 step of a large model is slow
@@ -136,7 +142,7 @@ def diagnose(task, cfg, gpu_gb, world_size, gpus_per_node):
     rows += [fsdp_check(task.build_model, small, task.loss_fn, cfg), sharded]
     rows += attempt("gradients", gradient_checks, model, batches, task.loss_fn, cfg)  # last: the model to float64
     rows.append(host_sync_check(source_files(task)))
-    return rows, plans
+    return rows, plans, checkpoints
 
 
 def not_run(row):
@@ -187,15 +193,17 @@ def main(task, argv=None):
             return 2
     cfg = parse_config(task.config, rest)
     try:
-        rows, plans = diagnose(task, cfg, own.gpu_memory_gb, own.nodes * own.gpus_per_node, own.gpus_per_node)
+        rows, plans, checkpoints = diagnose(
+            task, cfg, own.gpu_memory_gb, own.nodes * own.gpus_per_node, own.gpus_per_node
+        )
     except InputError as error:
         print_error(str(error))
         return 2
     print(table(rows))
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"checks": rows, "memory_bytes_per_gpu": plans, "gpu_memory_gb": own.gpu_memory_gb,
-              "world_size": own.nodes * own.gpus_per_node}  # fmt: skip
+    report = {"checks": rows, "memory_bytes_per_gpu": plans, "checkpoint_bytes_per_rank": checkpoints,
+              "gpu_memory_gb": own.gpu_memory_gb, "world_size": own.nodes * own.gpus_per_node}  # fmt: skip
     # Never a half-written report.
     write_atomically(out / "doctor.json", lambda f: f.write(json.dumps(report, indent=2) + "\n"), "w")
     print(f"\nwritten to {out / 'doctor.json'}")

@@ -1,17 +1,31 @@
 """doctor.py's memory plan: the bytes per GPU of parameters, gradients, AdamW's state and
 activations under ddp, fsdp over every GPU and hsdp, and whether the configured --strategy
-fits. The activations are measured (`LiveBytes`), not guessed from shapes."""
+fits. The activations are measured (`LiveBytes`), not guessed from shapes. Beside it, what each
+rank writes of a checkpoint, and whether --output_dir has room for the kept ones."""
 
 import functools
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .checkpoint import rank_state
+from .checkpoint_space import (
+    as_sharded,
+    one_file_bytes,
+    optimizer_bytes,
+    serialized_bytes,
+    sharded_bytes,
+    size_text,
+    space,
+    tensor_bytes,
+)
 from .contract import count_samples, model_inputs
 from .doctor_checks import check, halves
+from .optim import build_optimizer
 from .precision import AMP_DTYPES, autocast
 from .strategy import shard_units
 
@@ -140,3 +154,41 @@ def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
         fixes.append(f"--batch_size {max(1, cfg.batch_size // 2)} --grad_accum_steps {2 * cfg.grad_accum_steps}")
     status = "warn" if any(fits.values()) else "fail"
     return check("memory plan", status, f"{summary}: {configured} does not fit {gpu_gb:g} GB", "; or ".join(fixes))
+
+
+def checkpoint_plan(model, cfg, world_size):
+    """The bytes of one checkpoint of `model` and what each rank writes of it, under ddp (rank 0
+    writes it all) and under fsdp or hsdp over `world_size` GPUs (every rank its shards, DCP
+    writing each once): {name: {"checkpoint", "rank 0", "each other rank"}}. Counted as training
+    counts them (checkpoint_space): the model's tensors, the optimizer's state as build_optimizer's
+    will hold it, each rank's random generators as this process's; the training set's
+    data_state() is left out."""
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    trainer = serialized_bytes({"config": cfg.to_dict()})
+    trainer += world_size * serialized_bytes(rank_state(torch.zeros(2, dtype=torch.float64)))
+    state = model.state_dict()
+    ddp = one_file_bytes(tensor_bytes(state) + optimizer_bytes(optimizer), trainer)
+    spread = as_sharded(tensor_bytes(state, once=False) + optimizer_bytes(optimizer), world_size)
+    whole, first = sharded_bytes(spread, world_size, trainer, main=True)
+    other = sharded_bytes(spread, world_size, trainer, main=False)[1]
+    return {
+        "ddp": {"checkpoint": ddp, "rank 0": ddp, "each other rank": 0},
+        "fsdp": {"checkpoint": whole, "rank 0": first, "each other rank": other},
+    }
+
+
+def checkpoint_check(plan, cfg, world_size):
+    """The doctor's row of checkpoints: what each rank writes of one under ddp and fsdp, and
+    whether this machine's --output_dir holds the kept ones at their peak under the configured
+    --strategy. A warning at most: the job's file system is the preflight's to check."""
+    ddp, fsdp = plan["ddp"], plan["fsdp"]
+    sizes = (
+        f"a checkpoint of {size_text(ddp['checkpoint'])} under ddp, all from rank 0; under fsdp "
+        f"{size_text(fsdp['each other rank'])} from each of the {world_size} GPUs ({size_text(fsdp['rank 0'])} from "
+        "rank 0, with the trainer's state)"
+    )
+    size = plan["fsdp" if cfg.strategy == "fsdp" else "ddp"]["checkpoint"]
+    room = space(Path(cfg.output_dir) / "checkpoints", size, cfg.keep_checkpoints)
+    if room.shortfall():
+        return check("checkpoint space", "warn", f"{sizes}; {room.shortfall()}", room.fix())
+    return check("checkpoint space", "pass", f"{sizes}; {room.summary()}")

@@ -23,6 +23,12 @@ process per node). Each comm hook sends other bytes (bf16: half; powersgd: two t
 per weight matrix): its step differs by the all-reduce time of those bytes at the measured
 bandwidth, and the verdict names the hook that pays most when the configured one does not.
 `--json` prints all of it as one object on rank 0 (stdout; the per-rank lines go to stderr).
+
+The checkpoint folder: its free space against what the kept checkpoints of this job take at
+their peak (checkpoint_space; a shortfall is a problem), and how fast it takes a checkpoint
+(each rank that writes one writes and fsyncs a temporary file of its share at once), against
+the stop notice the launcher gives (STOP_GRACE_SECONDS): a preemption's checkpoint that would
+not fit is a warning, with the knob to raise the notice.
 """
 
 import contextlib
@@ -39,6 +45,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .checkpoint_space import size_text
 from .comm_model import (
     COMM_HOOKS,
     gradient_bytes,
@@ -69,9 +76,11 @@ from .preflight_checks import (
     log_nccl_network,
     measure_allreduce,
     read_nccl_network,
+    save_in_notice,
     say,
     slowest,
     synchronize,
+    time_checkpoint_write,
 )
 from .trainer import Trainer
 
@@ -92,7 +101,8 @@ def step_seconds(task, cfg, ctx, compute=None):
 
     Returns (compute seconds or None, synced seconds, {comm hook: bytes all-reduced per step},
     {strategy: bytes each node sends to other nodes per step}): the slowest rank's, so every
-    rank agrees.
+    rank agrees; and this rank's (checkpoint_space.Space, bytes it writes of a checkpoint),
+    with the optimizer's state as the steps left it.
     """
     datasets, _ = check_inputs(task, cfg, ctx)  # bad data: an InputError, a PROBLEM line
     trainer = Trainer(cfg, ctx, task, datasets)
@@ -106,9 +116,10 @@ def step_seconds(task, cfg, ctx, compute=None):
         hooks = ("none",) if fsdp else COMM_HOOKS  # the comm hooks are DDP's
         sent = {hook: gradient_bytes(parameters, hook) for hook in hooks}
         crossing = internode_bytes(parameters, cfg, ctx.world_size, ctx.nodes, sent, dist.get_backend())
+        checkpoints = trainer.checkpointer.space(trainer.state_dict(), trainer.loss_totals)
     finally:
         trainer.close("finished")  # no tracker runs were opened
-    return None if unknown else compute, synced, sent, crossing
+    return None if unknown else compute, synced, sent, crossing, checkpoints
 
 
 def step_times(ctx, trainer, kinds, warmup=2, runs=3):
@@ -271,7 +282,13 @@ def main(task, argv=None):
             node_rows = measure_allreduce(ctx, sizes, group=node_group)
         elif nodes == 1:
             node_rows = rows
-        compute_seconds, synced_seconds, sent, crossing = step_seconds(task, cfg, ctx, compute_alone)
+        compute_seconds, synced_seconds, sent, crossing, (room, own) = step_seconds(task, cfg, ctx, compute_alone)
+        short = room.shortfall() if own else None  # as each rank that writes sees its file system
+        if short:
+            say(rank, f"PROBLEM: {short}", lines)
+        write_seconds = time_checkpoint_write(ctx, room.folder, own)
+        (any_short, largest) = slowest(ctx, float(bool(short) or math.isinf(write_seconds)), float(own))
+        fits, notice, numbers = save_in_notice(write_seconds, synced_seconds, cfg)
         if ctx.is_main:
             if compute_seconds is None:  # fsdp, the compute alone not timed: the step as measured
                 prediction = {"comm_hook": cfg.comm_hook, "compute_seconds": None, "job_step_seconds": synced_seconds}
@@ -280,11 +297,18 @@ def main(task, argv=None):
                 prediction = predict(compute_seconds, synced_seconds, sent, rows, node_rows, nodes, cfg.comm_hook)
                 comm_seconds = max(synced_seconds - compute_seconds, 0.0)
                 summary = verdict(comm_seconds, compute_seconds, ctx.world_size, cfg.strategy)
+            writers = f"every rank its shards, at most {size_text(largest)}" if cfg.strategy == "fsdp" else "rank 0"
+            saving = (f"{size_text(room.checkpoint)} a checkpoint, written and fsynced in {write_seconds:.3g} s "
+                      f"(by {writers}); {room.summary()}")  # fmt: skip
             if as_json:
+                checkpoint = {"bytes": room.checkpoint, "bytes_per_rank": largest, "peak_bytes": room.peak,
+                              "free_bytes": room.free, "needed_bytes": room.needed,
+                              "write_seconds": write_seconds if math.isfinite(write_seconds) else None,
+                              **numbers}  # fmt: skip
                 report = {"world_size": ctx.world_size, "nodes": nodes, "processes_per_node": local_size,
                           "backend": dist.get_backend(), "allreduce": table(rows),
                           "one_node_allreduce": table(node_rows), **prediction, "verdict": summary,
-                          "internode_bytes_per_step": crossing}  # fmt: skip
+                          "internode_bytes_per_step": crossing, "checkpoint": checkpoint}  # fmt: skip
                 print(json.dumps(report), flush=True)
             else:
                 print(f"\nall-reduce over {ctx.world_size} processes ({dist.get_backend()}):")
@@ -298,6 +322,11 @@ def main(task, argv=None):
                         print(f"nodes: {hook_advice(prediction)}")
                     per_strategy = ", ".join(f"{name} {count / 2**20:.1f} MB" for name, count in crossing.items())
                     print(f"inter-node traffic a step, each node: {per_strategy} (hsdp: a replica a node)", flush=True)
+                print(f"checkpoints: {saving}")
+            if not (fits and as_json):  # with --json, a warning on stderr beside the object
+                print(notice, file=lines, flush=True)
+        if any_short:
+            return 1  # said above, by the rank that found it
     except (PreflightError, InputError) as problem:
         say(rank, f"PROBLEM: {problem}", lines)
         return 1

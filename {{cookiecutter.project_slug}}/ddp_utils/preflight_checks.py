@@ -1,8 +1,10 @@
 """The preflight's checks of one process before it joins the job (its place, its GPU, its
-network identity), and its measurements of the network once it has (a collective under a
-timeout, all-reduce bandwidth, the network NCCL picks). preflight.py runs them."""
+network identity), and its measurements once it has (a collective under a timeout, all-reduce
+bandwidth, the network NCCL picks, how fast the checkpoint folder takes a checkpoint against
+the stop notice). preflight.py runs them."""
 
 import ipaddress
+import math
 import os
 import re
 import socket
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .checkpoint_space import existing, size_text
 from .comm_model import (
     bus_bandwidth,
 )
@@ -28,6 +31,12 @@ from .dist import (
 # Sizes past one all-reduce this long are not measured: on a slow link 256 MB takes minutes,
 # and the larger sizes add nothing (the time per byte is already the link's).
 SIZE_STOP_SECONDS = 1.0
+# A checkpoint's write is timed on at most this much of it per rank, then scaled up: enough for
+# a file system's steady speed, without minutes of writing a large model's on a slow one.
+WRITE_SAMPLE_BYTES = 256 * 2**20
+# How long torchrun waits for its workers after passing a stop signal on, unless told
+# (PET_SHUTDOWN_TIMEOUT, which scripts/launch.sh sets from STOP_GRACE_SECONDS).
+TORCHRUN_STOP_WAIT = 30
 
 
 class PreflightError(RuntimeError):
@@ -209,6 +218,97 @@ def measure_allreduce(ctx, sizes_mb, group=None, iterations=3):
         if seconds > SIZE_STOP_SECONDS:  # the same decision on every rank: `seconds` is agreed
             break
     return rows
+
+
+# --- the checkpoint folder ----------------------------------------------------------------
+
+
+def time_checkpoint_write(ctx, folder, nbytes):
+    """Seconds this job takes to write and fsync a checkpoint into `folder`: each rank its own
+    `nbytes` (0: it writes none) into a temporary file it removes, all ranks at once as in a
+    save (at most WRITE_SAMPLE_BYTES each, the time scaled up to `nbytes`). The slowest rank's,
+    on every rank; inf where a rank could not write (it says why)."""
+    sample = min(nbytes, WRITE_SAMPLE_BYTES)
+    slowest(ctx, 0.0)  # every rank starts together: they share the file system as in a save
+    seconds = 0.0
+    if sample:
+        path = existing(folder) / f".preflight-write-{ctx.rank}.tmp"
+        chunk = os.urandom(min(sample, 2**20))  # not zeros, which a file system may compress or skip
+        started = time.perf_counter()
+        try:
+            with open(path, "wb") as out:
+                for start in range(0, sample, len(chunk)):
+                    out.write(chunk[: sample - start])
+                out.flush()
+                os.fsync(out.fileno())
+            seconds = (time.perf_counter() - started) * nbytes / sample
+        except OSError as error:
+            say(ctx.rank, f"PROBLEM: could not write a test file of {size_text(sample)} into {path.parent}: {error}")
+            seconds = math.inf
+        finally:
+            path.unlink(missing_ok=True)
+    (seconds,) = slowest(ctx, seconds)
+    return seconds
+
+
+def stop_notice(environ=os.environ):
+    """(seconds the workers get after a stop signal, the line that says where that comes from):
+    torchrun's wait after passing the signal on (PET_SHUTDOWN_TIMEOUT: scripts/launch.sh sets
+    it to STOP_GRACE_SECONDS less 10 s for the launchers, past 20 s), else torchrun's own 30 s."""
+    grace, wait = environ.get("STOP_GRACE_SECONDS"), environ.get("PET_SHUTDOWN_TIMEOUT")
+    grace, wait = (value if value and value.isdigit() else None for value in (grace, wait))
+    if wait is None and grace is not None:
+        wait = int(grace) - 10 if int(grace) > 20 else int(grace)
+    if wait is None:
+        return (
+            TORCHRUN_STOP_WAIT,
+            f"no STOP_GRACE_SECONDS (not scripts/launch.sh): torchrun's own {TORCHRUN_STOP_WAIT} s",
+        )
+    return int(wait), f"STOP_GRACE_SECONDS {grace}" if grace is not None else f"PET_SHUTDOWN_TIMEOUT {wait}"
+
+
+def notice_knob(seconds, environ=os.environ):
+    """Where to give the workers `seconds` after a stop signal, for the launcher in use."""
+    if "SLURM_JOB_ID" in environ:  # scripts/slurm.sbatch sets STOP_GRACE_SECONDS from this line
+        return f"the line #SBATCH --signal=B:USR1@{seconds} of the sbatch script"
+    if "KUBERNETES_SERVICE_HOST" in environ:
+        return f"the pods' terminationGracePeriodSeconds: {seconds} and their STOP_GRACE_SECONDS {seconds}"
+    return (
+        f"STOP_GRACE_SECONDS={seconds} for scripts/launch.sh; under SLURM the line #SBATCH --signal=B:USR1@{seconds}, "
+        "on Kubernetes the pods' terminationGracePeriodSeconds and STOP_GRACE_SECONDS"
+    )
+
+
+def save_in_notice(write_seconds, step_seconds, cfg, environ=os.environ):
+    """Whether a preemption's checkpoint is saved before the kill: the step in progress when
+    the signal comes and the one in which every rank agrees to stop, then the save (under
+    --async_checkpoint also the save in flight, finished first), against the seconds the
+    workers get. Returns (fits, the line that says so, {numbers}). The write is what was timed;
+    gathering the state and copying it off the GPU come on top."""
+    budget, source = stop_notice(environ)
+    saves = 2 if cfg.async_checkpoint else 1
+    needed = 2 * step_seconds + saves * write_seconds
+    numbers = {"stop_grace_seconds": environ.get("STOP_GRACE_SECONDS"), "workers_stop_seconds": budget,
+               "preemption_save_seconds": needed, "fits_notice": needed <= budget}  # fmt: skip
+    what = (
+        f"{saves} save{'s' if saves > 1 else ''} ({write_seconds:.3g} s each) after 2 steps ({step_seconds:.3g} s each)"
+    )
+    if needed <= budget:
+        return (
+            True,
+            f"a preemption's checkpoint fits the stop notice: {what}, {needed:.3g} s of {budget} s ({source})",
+            numbers,
+        )
+    every = cfg.checkpoint_every_steps
+    fallback = f"--checkpoint_every_steps {every}" if every else "the last epoch's end (--checkpoint_every_steps 0)"
+    raised = math.ceil(1.5 * needed) + 10  # half again, for a file system's bad days; 10 s for the launchers
+    line = (
+        f"WARNING: a preemption's checkpoint does not fit the stop notice: {what} take {needed:.3g} s, but the "
+        f"workers get {budget} s after a stop signal ({source}), so they are killed mid-save and the run resumes "
+        f"from its last periodic checkpoint, {fallback}. Raise the notice to {raised} s "
+        f"({notice_knob(raised, environ)}), or make the checkpoint smaller"
+    )
+    return False, line, numbers
 
 
 def slowest(ctx, *seconds):

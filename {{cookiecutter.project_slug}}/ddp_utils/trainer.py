@@ -150,6 +150,8 @@ class Trainer:
         if self._finished():
             report("run already complete: %d epochs, %d steps", self.epoch, self.step)
             return
+        # A disk too small for the kept checkpoints stops the run now, not at its first save.
+        self.checkpointer.check_space(self.state_dict(), self.loss_totals)
         cfg, per_epoch = self.cfg, self.steps_per_epoch
         if cfg.max_steps:
             length = f"{cfg.max_steps} steps ({per_epoch} an epoch)"

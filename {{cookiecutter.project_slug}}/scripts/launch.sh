@@ -29,8 +29,9 @@ RDZV_CONF=${RDZV_CONF:-}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 # Seconds from a stop signal (SIGTERM from a scheduler, SLURM's SIGUSR1) to the hard kill: the
 # step in progress and the checkpoint must fit in it. scripts/slurm.sbatch sets it from its
-# --signal lead time; on Kubernetes it is the pod's terminationGracePeriodSeconds.
-STOP_GRACE_SECONDS=${STOP_GRACE_SECONDS:-90}
+# --signal lead time; on Kubernetes it is the pod's terminationGracePeriodSeconds. Exported:
+# the preflight compares a checkpoint's save time with it.
+export STOP_GRACE_SECONDS=${STOP_GRACE_SECONDS:-90}
 
 die() { echo "launch.sh: $*" >&2; exit 2; }
 whole() { [[ $2 =~ ^[0-9]+$ ]] || die "$1 must be a whole number, got '$2'"; }

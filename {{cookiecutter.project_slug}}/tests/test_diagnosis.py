@@ -1,5 +1,7 @@
 """Hangs are diagnosed, not endured; the preflight tells before a long job what will go wrong."""
 
+import json
+import re
 import subprocess
 import sys
 import threading
@@ -174,7 +176,9 @@ def test_slurm_job_ports_stay_below_the_ephemeral_range():
 def test_preflight_on_one_machine_prints_table_and_verdict():
     """Under --strategy fsdp (ddp's preflight runs across two hosts: cluster/test_multinode.py).
     FSDP communicates all through a step (DDP's no_sync leaves nothing out of it), so each
-    process times the compute alone first, in a process group of its own."""
+    process times the compute alone first, in a process group of its own. The checkpoint, which
+    every rank writes a share of, is timed against the stop notice that scripts/launch.sh gives
+    the processes (its STOP_GRACE_SECONDS, exported): a small one fits the default."""
     env = training_env({"NPROC_PER_NODE": "2", "NNODES": "1", "MASTER_ADDR": "", "PREFLIGHT_MAX_MB": "4"})
     result = subprocess.run(["scripts/launch.sh", "--preflight", *TINY, "--strategy", "fsdp"], cwd=PROJECT, env=env,
                             capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -185,6 +189,30 @@ def test_preflight_on_one_machine_prints_table_and_verdict():
         assert f"preflight [rank {rank}] compute alone (fsdp over this process only): " in result.stdout
     verdict = result.stdout.split("verdict: ", 1)[1]
     assert verdict.startswith("per optimizer step: compute") and "FSDP's all-gathers and reduce-scatters" in verdict
+    assert "a checkpoint, written and fsynced in " in result.stdout
+    assert "(by every rank its shards, at most" in result.stdout
+    grace = re.search(r"STOP_GRACE_SECONDS:-(\d+)", (PROJECT / "scripts" / "launch.sh").read_text())[1]
+    assert "a preemption's checkpoint fits the stop notice: " in result.stdout
+    assert f"s of {int(grace) - 10} s (STOP_GRACE_SECONDS {grace})" in result.stdout
+
+
+def test_preflight_says_when_a_checkpoint_does_not_fit_the_stop_notice(tmp_path):
+    """With no time between the stop signal and the kill, the preflight warns, with the save
+    time it measured, the knob that raises the notice and what a preemption falls back to; a
+    warning: the job can run. --json holds the numbers."""
+    command = [sys.executable, "preflight.py", *TINY, "--output_dir", str(tmp_path), "--json"]
+    result = subprocess.run(command, cwd=PROJECT, env=training_env({"STOP_GRACE_SECONDS": "0"}), capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    saved = json.loads(result.stdout)["checkpoint"]
+    assert saved["bytes"] > 0 and saved["bytes_per_rank"] == saved["bytes"]  # one process: rank 0 writes it all
+    assert 0 < saved["write_seconds"] <= saved["preemption_save_seconds"]
+    assert saved["workers_stop_seconds"] == 0 and saved["fits_notice"] is False
+    (warning,) = [line for line in result.stderr.splitlines() if line.startswith("WARNING: a preemption's checkpoint")]
+    assert "the workers get 0 s after a stop signal (STOP_GRACE_SECONDS 0)" in warning
+    assert "resumes from its last periodic checkpoint" in warning and "--checkpoint_every_steps" in warning
+    assert "Raise the notice to " in warning and "STOP_GRACE_SECONDS=" in warning and "--signal=B:USR1@" in warning
+    assert not list(tmp_path.iterdir())  # the test file is gone, and nothing else was written
 
 
 def test_the_preflight_names_processes_that_share_one_gpu():

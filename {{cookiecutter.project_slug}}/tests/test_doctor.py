@@ -46,14 +46,14 @@ def test_the_shipped_task_passes_the_doctor(tmp_path):
     assert done.returncode == 0, printed
     report = json.loads((tmp_path / "doctor.json").read_text())
     statuses = {row["check"]: row["status"] for row in report["checks"]}
-    checks = ["memory plan", *(["host syncs on the GPU"] if torch.cuda.is_available() else [])]
+    checks = ["memory plan", "checkpoint space", *(["host syncs on the GPU"] if torch.cuda.is_available() else [])]
     checks += ["1 vs 2 processes", "exact resume", "data position", "data per rank", "shard units", "fsdp = ddp"]
     checks += ["sharded steps"]
     checks += ["non-finite values", "unused parameters", "zero gradients", "host syncs"]
     assert list(statuses) == checks
     assert "fail" not in statuses.values(), printed
     passed = ["memory plan", "1 vs 2 processes", "exact resume", "data position", "data per rank", "fsdp = ddp"]
-    passed += ["sharded steps"]
+    passed += ["sharded steps", "checkpoint space"]
     for name in [*passed, "unused parameters"]:
         assert statuses[name] == "pass", printed
     # 2 nodes of 2: ddp holds everything, fsdp a quarter of the model state, hsdp a half.
@@ -62,6 +62,10 @@ def test_the_shipped_task_passes_the_doctor(tmp_path):
     assert state["fsdp"] == pytest.approx(state["ddp"] / 4) and state["hsdp"] == pytest.approx(state["ddp"] / 2)
     assert plans["ddp"]["activations"] > 0
     assert "| memory plan | PASS |" in printed
+    # What each rank writes of a checkpoint: under ddp rank 0 all of it, under fsdp each GPU a share.
+    written = report["checkpoint_bytes_per_rank"]
+    assert written["ddp"]["rank 0"] == written["ddp"]["checkpoint"] > 0 and written["ddp"]["each other rank"] == 0
+    assert 0 < written["fsdp"]["each other rank"] < written["fsdp"]["rank 0"] < written["fsdp"]["checkpoint"]
 
 
 class WithUnused(nn.Module):
