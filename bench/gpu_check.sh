@@ -66,6 +66,9 @@
 #      shard is the whole gradient, so the peaks alone cannot show the saving.
 #  19. CUDA_VISIBLE_DEVICES=one GPU, 2 local ranks: the preflight fails, naming the shared GPU
 #      before NCCL's "Duplicate GPU detected".
+#  20. --optimizer muon on the GPU (Newton-Schulz in bf16; whole matrices gathered under fsdp,
+#      NCCL): a GPT 6x512 for 300 steps with AdamW, Muon, and Muon under fsdp, at one --lr:
+#      validation loss by step and tokens/s (plan 3a).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 self="$here/gpu_check.sh"
@@ -95,6 +98,7 @@ plan_table() {
 10  2a  50   120  AdamW fused against unfused, GPT 12x768
 12  2b  230  300  compile + activation checkpointing, ddp and fsdp
 14  2b  60   150  step breakdown of the GPT and the GPU's idle share
+20  3a  100  220  --optimizer muon on the GPU: GPT 6x512 bf16, AdamW against Muon (ddp, fsdp)
 EOF
 }
 declare -A EST LIMIT TITLE PLAN_CHECKS
@@ -102,7 +106,7 @@ while read -r n plan est limit title; do
     EST[$n]=$est LIMIT[$n]=$limit TITLE[$n]=$title
     PLAN_CHECKS[$plan]="${PLAN_CHECKS[$plan]:-}${PLAN_CHECKS[$plan]:+ }$n"
 done < <(plan_table)
-PLANS="1a 1b 2a 2b"
+PLANS="1a 1b 2a 2b 3a"
 
 if [[ ${1:-} == --plans ]]; then
     echo "| plan | checks, in order | estimated s | limits s |"
@@ -647,6 +651,33 @@ check_15() {
             check "doctor.py with a GPU, $name task" "ok (${row#| host syncs on the GPU | PASS | })"
         else
             check "doctor.py with a GPU, $name task" "exit $code: $row; FAIL rows: ${fails:-none}$( [[ $code == 0 || -n $fails ]] || echo "; $(tail_text "$runs/doctor_$name.log" 2)")"
+        fi
+    done
+}
+
+check_20() {
+    # Muon's Newton-Schulz in bf16 on CUDA (and gathered whole matrices under fsdp, NCCL), against
+    # AdamW at the same --lr and steps: validation loss by step, tokens/s. A time-to-quality figure
+    # on a small GPT, not a tuned comparison (bench/time_to_quality.py sweeps the lr on CPUs).
+    local muon_gpt=(--data_dir "$text" --block_size 512 --n_layer 6 --n_head 8 --n_embd 512 --batch_size 32
+        --amp bf16 --val_samples 256 --log_every_steps 0 --progress_bar false --resume none --max_steps 300
+        --eval_every_steps 50 --warmup_steps 30 --lr 0.002)
+    local name
+    for name in adamw muon muon_fsdp; do
+        local flags=(--optimizer "${name%_fsdp}")
+        [[ $name == *_fsdp ]] && flags+=(--strategy fsdp)
+        if (cd "$language" && timeout -k 5 "$(left)" "${torchrun1[@]}" train.py "${muon_gpt[@]}" "${flags[@]}"             --output_dir "$runs/$name" >"$runs/$name.log" 2>&1); then
+            check "--optimizer ${flags[*]:1}, GPT 6x512 bf16, 300 steps" "ok ($("$python" - "$runs/$name" <<'PY'
+import json, sys
+from pathlib import Path
+
+lines = [json.loads(line) for line in (Path(sys.argv[1]) / "metrics.jsonl").read_text().splitlines()]
+losses = " ".join(f"{m['step']}:{m['val_loss']:.3f}" for m in lines)
+print(f"val_loss by step {losses}; {lines[-1]['tokens_per_s']:.0f} tokens/s")
+PY
+))"
+        else
+            check "--optimizer ${flags[*]:1}, GPT 6x512 bf16, 300 steps" "$(grep -m1 -E 'Error|error:' "$runs/$name.log" || tail_text "$runs/$name.log")"
         fi
     done
 }

@@ -49,7 +49,13 @@ class Config(RunConfig, ModelConfig, DataConfig):
     )
     grad_accum_steps: int = knob(1, "micro-steps per optimizer step")
     lr: float = knob(1e-3, "peak learning rate, used as given (never rescaled by the world size)")
-    weight_decay: float = knob(0.01, "AdamW weight decay")
+    optimizer: str = knob(
+        "adamw", "adamw, or muon: Muon for the hidden weight matrices, AdamW for the rest (docs/optimizers.md)",
+        ("adamw", "muon"),
+    )  # fmt: skip
+    weight_decay: float = knob(0.01, "decoupled weight decay of matrices (AdamW's, and Muon's)")
+    muon_momentum: float = knob(0.95, "--optimizer muon: Muon's Nesterov momentum")
+    muon_ns_steps: int = knob(5, "--optimizer muon: Newton-Schulz iterations that orthogonalise each update")
     max_grad_norm: float = knob(1.0, "clip the global gradient norm to this, 0 = off")
     lr_schedule: str = knob("cosine", "learning-rate decay after warmup", ("cosine", "constant"))
     warmup_steps: int = knob(0, "optimizer steps of linear warmup from 0 to lr (at the run's first global batch)")

@@ -89,6 +89,12 @@ class Checkpointer:
         ]
         if mismatched:
             raise TrainingError(f"checkpoint {path} has another model shape: {', '.join(mismatched)}")
+        saved_optimizer = saved.get("optimizer", "adamw")  # checkpoints from before --optimizer: AdamW's
+        if saved_optimizer != self.cfg.optimizer:
+            raise TrainingError(
+                f"checkpoint {path} holds the state of --optimizer {saved_optimizer}, not of --optimizer "
+                f"{self.cfg.optimizer}: resume with --optimizer {saved_optimizer}, or start in another --output_dir"
+            )
         with same_optimizer_implementation(self.optimizer):  # this machine's, not the saving one's
             self.strategy.load(state, path, self.optimizer)  # the model and optimizer state
         if self.scaler.is_enabled() and not state["scaler"]:
@@ -227,7 +233,8 @@ def same_optimizer_implementation(optimizer):
     """Keep the optimizer's implementation (fused, foreach) across loading a saved state, which
     would otherwise bring the saving machine's: a checkpoint from a CPU run resumed on GPUs
     would run unfused (and under fp16 fail in GradScaler, built for the fused step)."""
-    chosen = [(group["fused"], group["foreach"]) for group in optimizer.param_groups]
+    chosen = [(group.get("fused"), group.get("foreach")) for group in optimizer.param_groups]
     yield
     for group, (fused, foreach) in zip(optimizer.param_groups, chosen, strict=True):
-        group["fused"], group["foreach"] = fused, foreach
+        if "fused" in group:  # AdamW's groups (Muon's have neither)
+            group["fused"], group["foreach"] = fused, foreach

@@ -41,7 +41,7 @@ class RunConfig:
             if f.type is float and not math.isfinite(getattr(self, f.name)):  # nan passes every comparison
                 raise ConfigError(f.name, "must be a finite number")
         positive = ("epochs", "batch_size", "grad_accum_steps", "timeout_seconds", "prefetch_factor", "bucket_cap_mb")
-        positive += ("checkpoint_timeout_seconds",)
+        positive += ("checkpoint_timeout_seconds", "muon_ns_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be at least 1")
@@ -56,6 +56,8 @@ class RunConfig:
             raise ConfigError("lr", "must be greater than 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("min_lr_ratio", "must be between 0 and 1")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError("muon_momentum", "must be at least 0 and less than 1")
         if not self.output_dir:
             raise ConfigError("output_dir", "must not be empty")
         if not set(self.trackers) <= set(TRACKERS):

@@ -41,6 +41,8 @@ Optional on the model object (looked up on the module build_model returns):
   for one process start on the meta device (strategy.build_module).
 - `same_buffers_on_every_rank = True` on a submodule whose buffers are kept equal across ranks
   by the module itself (as torch's SyncBatchNorm does): DDP need not resend them.
+- `muon_parameters()`: the parameters --optimizer muon gives Muon (the rest go to AdamW): the
+  hidden Linear and convolution weights (ddp_utils/optim.py hidden_layers).
 
 Optional on the datasets:
 - `data_state()` (training set): what a prediction needs from the training data (label names,
@@ -66,7 +68,7 @@ import torch.nn.functional as F
 from .knobs import ConfigError
 
 CONFIG_HOOKS = ("check_model", "resolve_model", "check_data", "resolve_data")
-MODEL_HOOKS = ("shard_units", "init_weights", "same_buffers_on_every_rank")
+MODEL_HOOKS = ("shard_units", "init_weights", "same_buffers_on_every_rank", "muon_parameters")
 DATASET_HOOKS = ("data_state", "check_samples", "without", "set_epoch")
 
 

@@ -62,7 +62,9 @@ class Trainer:
         # Listed once: the module tree is not walked every step.
         self.parameters = list(self.model.parameters())
         seed_everything(mix_seed(cfg.seed, ctx.rank))
-        self.optimizer = build_optimizer(self.model, cfg, ctx.device)
+        self.optimizer = build_optimizer(self.model, cfg, ctx.device, self.strategy.module)
+        if cfg.optimizer == "muon":
+            report("%s", self.optimizer.summary())
         self.amp_dtype = AMP_DTYPES[cfg.amp]
         # fp16 needs loss scaling; for bf16 and none the scaler is a no-op pass-through.
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.amp == "fp16")

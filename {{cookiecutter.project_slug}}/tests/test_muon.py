@@ -1,0 +1,186 @@
+"""--optimizer muon keeps the guarantees AdamW's runs are held to: 1 vs 2 processes and
+accumulation give the same parameters, fsdp and hsdp give DDP's (Newton-Schulz on whole
+matrices, never on a shard), resume after SIGTERM and after a SIGKILL of the whole job is exact
+(both optimizers' state in the checkpoint), resume on another world size stays on course, fp16
+skips an overflowing step, the doctor passes, and a checkpoint of one optimizer is refused by
+the other. In float64, as the reference runs of the other tests (conftest.ReferenceRuns):
+Newton-Schulz then runs in float64 too (ddp_utils/optim.py newton_schulz)."""
+
+import functools
+import json
+import math
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import (
+    ARGS,
+    ONE,
+    PROJECT,
+    TINY,
+    TINY_CONFIG,
+    TWO,
+    checkpoint,
+    compared_metrics,
+    kill_tree,
+    read_metrics,
+    relative_difference,
+    run_tolerance,
+    run_training,
+    start_from,
+    training_command,
+    training_env,
+    wait_for,
+)
+from test_fsdp import final_weights
+
+from task import TASK
+
+pytestmark = pytest.mark.fixed_amp  # exact comparisons need --amp none
+
+MUON = ["--optimizer", "muon"]
+
+
+class MuonRuns:
+    """Uninterrupted float64 runs under Muon, each made the first time a test asks for it."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+
+    def run(self, name, *args, nproc):
+        output_dir = self.tmp_path_factory.mktemp(name)
+        result = run_training(output_dir, *ARGS, *MUON, *args, nproc=nproc, probe="float64")
+        return output_dir, result
+
+    @functools.cached_property
+    def two(self):
+        return self.run("muon_two", *TWO, nproc=2)
+
+    @functools.cached_property
+    def one(self):
+        return self.run("muon_one", *ONE, nproc=1)
+
+    @functools.cached_property
+    def accumulated(self):
+        return self.run("muon_accumulated", "--batch_size", "16", "--grad_accum_steps", "2", nproc=2)
+
+    @functools.cached_property
+    def fsdp(self):
+        return self.run("muon_fsdp", *TWO, "--strategy", "fsdp", nproc=2)
+
+
+@pytest.fixture(scope="module")
+def muon(tmp_path_factory):
+    return MuonRuns(tmp_path_factory)
+
+
+def assert_close(output_dir, reference_dir):
+    """Equal up to the order of the sums (float64; run_tolerance)."""
+    ours, theirs = final_weights(output_dir), final_weights(reference_dir)
+    assert ours.keys() == theirs.keys()
+    worst = max(relative_difference(ours[key], theirs[key]) for key in theirs)
+    assert worst < run_tolerance(), f"parameters differ by {worst:.2e} (relative)"
+
+
+def assert_identical(output_dir, reference_dir):
+    ours, theirs = final_weights(output_dir), final_weights(reference_dir)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from the uninterrupted run"
+    lines = [compared_metrics(line) for line in read_metrics(output_dir)]
+    assert lines == [compared_metrics(line) for line in read_metrics(reference_dir)]
+
+
+def test_muon_takes_weight_matrices_and_adamw_the_rest(muon):
+    """One line at start says what each optimizer holds; together, every parameter."""
+    _, result = muon.two
+    (line,) = [line for line in result.stdout.splitlines() if "--optimizer muon: Muon takes" in line]
+    numbers = [
+        int(word.strip("(,").replace(",", "")) for word in line.split() if word.strip("(,").replace(",", "").isdigit()
+    ]
+    matrices, muon_numel, tensors, adamw_numel = numbers
+    with torch.device("meta"):
+        model = TASK.build_model(TINY_CONFIG.resolved())  # its sizes read from the data
+    assert matrices >= 1 and tensors >= 1, line
+    assert muon_numel + adamw_numel == sum(p.numel() for p in model.parameters()), line
+
+
+def test_world_size_and_accumulation_give_the_same_parameters_under_muon(muon):
+    from test_correctness import compared_runs
+
+    assert_close(muon.one[0], muon.two[0])
+    if "2x16_accum2" in compared_runs():  # not with BatchNorm, whose statistics are each micro-batch's
+        assert_close(muon.accumulated[0], muon.two[0])
+
+
+def test_fsdp_orthogonalises_whole_matrices_and_trains_ddps_parameters_under_muon(muon):
+    """A shard holds rows of a matrix: orthogonalising each shard on its own would be another
+    update (no error would say so); the whole matrix's update, cut to each shard, is DDP's."""
+    assert_close(muon.fsdp[0], muon.two[0])
+
+
+def test_hsdp_trains_ddps_parameters_under_muon(muon, tmp_path):
+    output_dir = tmp_path / "hsdp"
+    run_training(output_dir, *ARGS, *MUON, "--batch_size", "16", "--strategy", "fsdp", "--replicate_degree", "2",
+                 nproc=4, probe="float64", timeout=300)  # fmt: skip
+    assert_close(output_dir, muon.two[0])
+
+
+def test_resume_after_sigterm_and_after_a_sigkill_of_the_job_is_exact_under_muon(muon, tmp_path):
+    """Both optimizers' state (AdamW's moments, Muon's momentum) is in the checkpoint: a run
+    stopped by SIGTERM, resumed, killed with SIGKILL, resumed again ends as the uninterrupted one."""
+    output_dir = tmp_path / "run"
+    command = training_command(output_dir, *ARGS, *MUON, *TWO, nproc=2, probe="float64,slow_until_stopped")
+    for stop, at_step in ((signal.SIGTERM, 8), (signal.SIGKILL, 28)):
+        with open(tmp_path / f"{stop.name}.log", "w") as log:
+            process = subprocess.Popen(command, cwd=PROJECT, env=training_env(), stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            wait_for(checkpoint(output_dir, at_step), process)
+            if stop == signal.SIGTERM:
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(timeout=60) != 0
+            else:
+                kill_tree(process.pid)
+                process.wait()
+        finally:
+            kill_tree(process.pid)
+    assert "stopped by SIGTERM" in (tmp_path / "SIGTERM.log").read_text()
+    run_training(output_dir, *ARGS, *MUON, *TWO, nproc=2, probe="float64")  # the same command
+    assert_identical(output_dir, muon.two[0])
+
+
+def test_a_checkpoint_resumes_on_another_world_size_under_muon(muon, tmp_path):
+    """2 processes' epoch-end checkpoint continued by 1: as the 1-process run, to the order of the sums."""
+    output_dir = start_from(checkpoint(muon.two[0], 16), tmp_path / "one")
+    run_training(output_dir, *ARGS, *MUON, *ONE, probe="float64")
+    assert_close(output_dir, muon.one[0])
+
+
+def test_a_checkpoint_of_one_optimizer_is_refused_by_the_other(muon, tmp_path):
+    output_dir = start_from(checkpoint(muon.two[0], 4), tmp_path / "adamw")
+    result = run_training(output_dir, *ARGS, *TWO, "--optimizer", "adamw", nproc=2, check=False)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "holds the state of" in line]
+    assert result.returncode != 0 and errors, result.stdout + result.stderr
+    assert "--optimizer muon, not of --optimizer adamw: resume with --optimizer muon" in errors[0]
+
+
+def test_fp16_skips_an_overflowing_step_under_muon(tmp_path):
+    """One loss scaler over both optimizers: unscaled once, the step skipped for both, one update."""
+    run_training(tmp_path, *MUON, "--amp", "fp16", probe="overflow_once")
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert state["scaler"]["scale"] == 2.0**15  # halved once from 2**16 by the skipped step
+    assert all(torch.isfinite(value).all() for value in state["model"].values())
+    assert all(math.isfinite(m["train_loss"]) for m in read_metrics(tmp_path))
+
+
+def test_the_doctor_passes_under_muon(tmp_path):
+    """Its 1 vs 2 processes, exact resume, fsdp = ddp and sharded steps with the configured optimizer."""
+    flags = ["--output_dir", str(tmp_path), *MUON]
+    done = subprocess.run([sys.executable, "doctor.py", *TINY, *flags], cwd=PROJECT, capture_output=True, text=True,
+                          env=training_env(), timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    failed = [row for row in report["checks"] if row["status"] == "FAIL"]
+    assert not failed, failed
