@@ -503,8 +503,8 @@ from task import TASK
 fused = sys.argv.pop() == "true"
 build = optim.build_optimizer
 
-def build_optimizer(model, cfg, device):
-    optimizer = build(model, cfg, device)
+def build_optimizer(model, cfg, device, module=None):
+    optimizer = build(model, cfg, device, module)
     for group in optimizer.param_groups:
         group["fused"] = fused
         group["foreach"] = None if fused else True

@@ -624,7 +624,7 @@ MUTANTS = [
         "data_error_after_output_dir",
         "bad data is found after logging has created output_dir (the old path: a logged ERROR, train.log written)",
         "ddp_utils/run.py",
-        "    datasets, notes = check_inputs(task, cfg, ctx)\n    setup_logging(ctx, cfg.output_dir)\n",
+        "    datasets, notes = check_inputs(task, cfg, ctx)\n",
         "    setup_logging(ctx, cfg.output_dir)\n    datasets, notes = check_inputs(task, cfg, ctx)\n",
         ("tests/test_task.py::test_missing_data_is_one_line_naming_the_flag",),
     ),
@@ -930,6 +930,33 @@ MUTANTS = [
         "        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way\n",
         "",
         ("tests/test_chaos.py",),
+    ),
+    Mutant(
+        "full_disk_not_named",
+        "a save that fills the disk stops with torch's 'unexpected pos' instead of the free and needed space",
+        "ddp_utils/checkpoint_space.py",
+        "reason = out_of_space(error, folder, checkpoint)",
+        "reason = None",
+        (
+            "tests/test_disk_space.py::test_a_full_disk_stops_the_save_in_plain_words_and_the_same_command_resumes",
+            "tests/test_disk_space.py::test_a_full_disk_under_fsdp_removes_the_partial_checkpoint_and_resumes",
+        ),
+    ),
+    Mutant(
+        "muon_orthogonalises_shards",
+        "fsdp: Muon orthogonalises each shard's rows on their own, not the whole matrix (no error says so)",
+        "ddp_utils/optim.py",
+        '            whole = orthogonalised(update.full_tensor(), group["ns_steps"])\n            # Every rank computed the same whole update: each keeps its own rows, no communication.\n            update = distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)',
+        '            local = orthogonalised(update.to_local(), group["ns_steps"])\n            update = DTensor.from_local(local, update.device_mesh, update.placements)',
+        ("tests/test_muon.py::test_fsdp_orthogonalises_whole_matrices_and_trains_ddps_parameters_under_muon",),
+    ),
+    Mutant(
+        "muon_state_outside_the_checkpoint",
+        "Muon's momentum kept beside the optimizer's state: a resume starts it from zero",
+        "ddp_utils/optim.py",
+        '        state = self.state[p]\n        if "momentum_buffer" not in state:',
+        '        state = self.__dict__.setdefault("momentum", {}).setdefault(p, {})\n        if "momentum_buffer" not in state:',
+        ("tests/test_muon.py::test_resume_after_sigterm_and_after_a_sigkill_of_the_job_is_exact_under_muon",),
     ),
 ]
 

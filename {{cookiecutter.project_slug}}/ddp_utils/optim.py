@@ -26,19 +26,22 @@ def build_optimizer(model, cfg, device, module=None):
     parameters = [p for p in model.parameters() if p.requires_grad]
     fused = device.type in ("cuda", "cpu")
     if cfg.optimizer == "adamw":
-        groups = [
-            {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=cfg.lr, fused=fused)
+        return torch.optim.AdamW(adamw_groups(parameters, cfg), lr=cfg.lr, fused=fused)
     module = module if module is not None else getattr(model, "module", model)  # inside DDP
     hidden = {id(p) for p in muon_parameters(module, model)}
     groups = [
         {"params": [p for p in parameters if id(p) in hidden], "weight_decay": cfg.weight_decay, "muon": True},
-        {"params": [p for p in parameters if id(p) not in hidden and p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
+        *adamw_groups([p for p in parameters if id(p) not in hidden], cfg),
     ]
     return MuonWithAdamW(groups, lr=cfg.lr, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, fused=fused)
+
+
+def adamw_groups(parameters, cfg):
+    """AdamW's two groups: decay on 2 or more dimensions, none on biases and norm weights."""
+    return [
+        {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def muon_parameters(module, model):
