@@ -5,7 +5,9 @@
 # --network --strategies: ddp, fsdp and hsdp on 2 hosts x 2 processes over the link), or with
 # --tabular-noise the tabular task's noise draw (see bench/tabular_noise.py), or with
 # --breakdown where a step's time goes, the generated loop beside the minimal one (see
-# bench/breakdown.py), or with --ci-cpu where the test suite's CPU time goes (see bench/ci_cpu.py).
+# bench/breakdown.py), or with --ci-cpu where the test suite's CPU time goes (see bench/ci_cpu.py),
+# or with --chaos random faults under fsdp (see bench/chaos.py), or with --time-to-quality AdamW
+# against Muon to a target loss (see bench/time_to_quality.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
@@ -24,6 +26,14 @@ fi
 if [[ ${1:-} == --ci-cpu ]]; then
     shift
     exec .venv/bin/python bench/ci_cpu.py "$@"
+fi
+if [[ ${1:-} == --chaos ]]; then
+    shift
+    exec .venv/bin/python bench/chaos.py "$@"
+fi
+if [[ ${1:-} == --time-to-quality ]]; then
+    shift
+    exec .venv/bin/python bench/time_to_quality.py "$@"
 fi
 if [[ ${1:-} == --tabular-noise ]]; then
     shift

@@ -108,7 +108,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
     others, as one optimizer: one set of param_groups for the schedule and the loss scaler, one
     state_dict for checkpoints (plain or sharded). Muon's step is torch.optim.Muon's (Nesterov
     momentum, decoupled weight decay, its update scaled by 0.2 x sqrt(max(rows, columns)) to
-    AdamW's size: "match_rms_adamw", so --lr and --weight_decay serve both), with two changes:
+    AdamW's size: "match_rms_adamw", so --lr and --weight_decay apply to both; Muon's best
+    --lr is still its own, docs/optimizers.md), with two changes:
     Newton-Schulz in the parameter's dtype off GPUs (newton_schulz), and whole matrices under
     fsdp: a sharded update is gathered, orthogonalised whole and cut back to this rank's rows
     (orthogonalising each shard on its own would be another, wrong, update, with no error)."""
