@@ -435,8 +435,8 @@ def single_param_group():
 
     original = trainer.build_optimizer
 
-    def build_optimizer(model, cfg, device):
-        fused = original(model, cfg, device).defaults["fused"]  # this version's implementation: only the groups differ
+    def build_optimizer(model, cfg, device, module=None):
+        fused = original(model, cfg, device, module).defaults["fused"]  # this version's: only the groups differ
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
     trainer.build_optimizer = build_optimizer
