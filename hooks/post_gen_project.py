@@ -19,6 +19,9 @@ OPTIONAL_FILES = {
     "tests/cluster/test_kubernetes.py": ("kubernetes", "yes"),
     "docs/slurm.md": ("slurm", "yes"),
     "docs/kubernetes.md": ("kubernetes", "yes"),
+    "sky.yaml": ("skypilot", "yes"),
+    "docs/skypilot.md": ("skypilot", "yes"),
+    "tests/cluster/test_skypilot.py": ("skypilot", "yes"),
 }
 
 
@@ -49,7 +52,7 @@ def remove_unwanted(project_dir, answers):
 def main():
     answers = json.loads(
         r"""{"task": {{ cookiecutter.task | tojson }}, "slurm": {{ cookiecutter.slurm | tojson }},
-        "kubernetes": {{ cookiecutter.kubernetes | tojson }}}"""
+        "kubernetes": {{ cookiecutter.kubernetes | tojson }}, "skypilot": {{ cookiecutter.skypilot | tojson }}}"""
     )
     place_task_files(Path.cwd(), answers["task"])
     remove_unwanted(Path.cwd(), answers)

@@ -71,6 +71,7 @@ def first_error(answers):
     checks.append(check_amp(answers.get("amp")))
     checks.append(check_yes_no("slurm", answers.get("slurm")))
     checks.append(check_yes_no("kubernetes", answers.get("kubernetes")))
+    checks.append(check_yes_no("skypilot", answers.get("skypilot")))
     if not any(checks) and answers.get("kubernetes") == "yes":
         checks.append(check_kubernetes_name(answers.get("project_slug")))
     return next((error for error in checks if error), None)
@@ -87,7 +88,8 @@ def main():
         "task": {{ cookiecutter.task | tojson }},
         "amp": {{ cookiecutter.amp | tojson }},
         "slurm": {{ cookiecutter.slurm | tojson }},
-        "kubernetes": {{ cookiecutter.kubernetes | tojson }}
+        "kubernetes": {{ cookiecutter.kubernetes | tojson }},
+        "skypilot": {{ cookiecutter.skypilot | tojson }}
     }"""
     )
     error = first_error(answers)

@@ -40,10 +40,11 @@ TASKS = ("language", "vision", "tabular")  # the first is the default
 # The files each optional answer keeps, as hooks/post_gen_project.py removes them otherwise.
 KUBERNETES_FILES = {"k8s/trainjob.yaml", "k8s/jobset.yaml", "k8s/pvc.yaml", "Dockerfile", ".dockerignore",
                     "tests/cluster/test_kubernetes.py"}  # fmt: skip
-OPTIONAL = {"slurm": {"scripts/slurm.sbatch", "docs/slurm.md"}, "kubernetes": KUBERNETES_FILES | {"docs/kubernetes.md"}}
+OPTIONAL = {"slurm": {"scripts/slurm.sbatch", "docs/slurm.md"}, "kubernetes": KUBERNETES_FILES | {"docs/kubernetes.md"},
+            "skypilot": {"sky.yaml", "docs/skypilot.md", "tests/cluster/test_skypilot.py"}}  # fmt: skip
 
 
-def template_files(task, slurm="yes", kubernetes="no"):
+def template_files(task, slurm="yes", kubernetes="no", skypilot="no"):
     """The files a project of `task` gets, as paths relative to it: the shared files of the
     template's project folder, and the task's own from tasks/<task>/ in their places, less
     the optional files the answers leave out."""
@@ -51,6 +52,6 @@ def template_files(task, slurm="yes", kubernetes="no"):
     files = {p.relative_to(root) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     shared = {str(p) for p in files if p.parts[0] != "tasks"}
     own = {str(p.relative_to(f"tasks/{task}")) for p in files if p.parts[:2] == ("tasks", task)}
-    removed = set().union(*(OPTIONAL[prompt] for prompt, answer in (("slurm", slurm), ("kubernetes", kubernetes))
-                            if answer != "yes"))  # fmt: skip
+    answers = (("slurm", slurm), ("kubernetes", kubernetes), ("skypilot", skypilot))
+    removed = set().union(*(OPTIONAL[prompt] for prompt, answer in answers if answer != "yes"))
     return (shared | own) - removed

@@ -118,6 +118,7 @@ def test_hostile_user_text_renders_valid_files_and_runs_nothing(cookies, tmp_pat
         ("amp=fp8", "amp"),
         ("task=audio", "task"),
         ("kubernetes=maybe", "kubernetes"),
+        ("skypilot=maybe", "skypilot"),
     ],
 )
 def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prompt):
@@ -126,7 +127,7 @@ def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prom
     result = run(["cookiecutter", "--no-input", str(TEMPLATE), "-o", str(output), answer], cwd=tmp_path)
     assert result.returncode != 0
     assert list(output.iterdir()) == []
-    if prompt in ("amp", "task", "kubernetes"):
+    if prompt in ("amp", "task", "kubernetes", "skypilot"):
         # cookiecutter itself rejects a value outside a choice list, before our checks run.
         assert f"choice variable {prompt}" in result.stderr
         return
@@ -139,6 +140,7 @@ GENERATED_TEST_MODULES = sorted(str(p.relative_to(GENERATED_TESTS)) for p in GEN
     "test_task.py"
 ]
 GENERATED_TEST_MODULES.remove("cluster/test_kubernetes.py")  # kubernetes=no here: the tabular bake runs it
+GENERATED_TEST_MODULES.remove("cluster/test_skypilot.py")  # skypilot=no here: the tabular bake runs it
 # The modules of a few minutes run one by one, to spread over the workers. Together: the short
 # ones (each run starts Python, torch and the test data afresh), and those that share a session
 # fixture's training runs (a run of its own would make them again).
@@ -187,14 +189,15 @@ TASK_TESTS = [
 ]
 
 
-# The tabular bake also answers kubernetes=yes and runs its k8s/ tests (the default bake has
-# none), and runs --strategy fsdp (the default bake runs all of test_fsdp.py on the GPT;
+# The tabular bake also answers kubernetes=yes and skypilot=yes and runs their tests (the
+# default bake has neither), and runs --strategy fsdp (the default bake runs all of test_fsdp.py on the GPT;
 # test_own_model.py trains a third model under both strategies).
 EXTRA = {
     "tabular": (
-        {"kubernetes": "yes"},
+        {"kubernetes": "yes", "skypilot": "yes"},
         [
             "tests/cluster/test_kubernetes.py",
+            "tests/cluster/test_skypilot.py",
             "tests/test_fsdp.py::test_both_strategies_start_from_the_weights_the_model_makes",
             "tests/test_fsdp.py::test_export_writes_one_weights_only_file_with_the_run_validation_loss",
         ],

@@ -11,10 +11,10 @@ from conftest import TASKS, bake_ok, project_files, run, template_files
 pytestmark = pytest.mark.xdist_group("combinations")  # one worker bakes them all once
 
 AMPS = ("bf16", "fp16", "none")
-# (slurm, kubernetes): each launcher's files kept and left out, without doubling the bakes.
-PLATFORMS = (("yes", "no"), ("no", "yes"))
+# (slurm, kubernetes, skypilot): each launcher's files kept and left out, without doubling the bakes.
+PLATFORMS = (("yes", "no", "no"), ("no", "yes", "yes"))
 COUNTS = (("1", "1"), ("2", "8"), ("4", "2"))  # (num_nodes, gpus_per_node): a spread of free-form counts
-COMBINATIONS = [(task, amp, slurm, kubernetes, counts) for task, amp, (slurm, kubernetes), counts
+COMBINATIONS = [(task, amp, slurm, kubernetes, skypilot, counts) for task, amp, (slurm, kubernetes, skypilot), counts
                 in itertools.product(TASKS, AMPS, PLATFORMS, COUNTS)]  # fmt: skip
 
 
@@ -28,19 +28,21 @@ def test_one_worker_bakes_them_all(request):
 @pytest.fixture(scope="module")
 def bakes(cookies_session):
     projects = {}
-    for task, amp, slurm, kubernetes, (nodes, gpus) in COMBINATIONS:
-        answers = {"task": task, "amp": amp, "slurm": slurm, "kubernetes": kubernetes, "num_nodes": nodes,
-                   "gpus_per_node": gpus}  # fmt: skip
+    for task, amp, slurm, kubernetes, skypilot, (nodes, gpus) in COMBINATIONS:
+        answers = {"task": task, "amp": amp, "slurm": slurm, "kubernetes": kubernetes, "skypilot": skypilot,
+                   "num_nodes": nodes, "gpus_per_node": gpus}  # fmt: skip
         name = f"p_{task}_{amp}_{slurm}_{kubernetes}_{nodes}_{gpus}"
-        projects[task, amp, slurm, kubernetes, nodes, gpus] = bake_ok(cookies_session, project_name=name, **answers)
+        projects[task, amp, slurm, kubernetes, skypilot, nodes, gpus] = bake_ok(
+            cookies_session, project_name=name, **answers
+        )
     return projects
 
 
 def test_exact_file_set(bakes):
     """The chosen task's files and no other's; the optional files the answers asked for."""
-    for (task, amp, slurm, kubernetes, nodes, gpus), project in bakes.items():
+    for (task, amp, slurm, kubernetes, skypilot, nodes, gpus), project in bakes.items():
         files = {str(p.relative_to(project)) for p in project_files(project)}
-        assert files == template_files(task, slurm, kubernetes), project
+        assert files == template_files(task, slurm, kubernetes, skypilot), project
         assert (project / "k8s").is_dir() == (kubernetes == "yes"), project
 
 
@@ -70,7 +72,7 @@ def test_ruff_clean_in_every_combination(bakes):
 
 
 def test_prompt_values_reach_their_places(bakes):
-    for (task, amp, slurm, kubernetes, nodes, gpus), project in bakes.items():
+    for (task, amp, slurm, kubernetes, skypilot, nodes, gpus), project in bakes.items():
         launch = (project / "scripts" / "launch.sh").read_text()
         assert f"NNODES=${{NNODES:-${{PET_NNODES:-{nodes}}}}}" in launch
         assert f"NPROC_PER_NODE=${{NPROC_PER_NODE:-${{PET_NPROC_PER_NODE:-{gpus}}}}}" in launch
@@ -100,3 +102,6 @@ def test_prompt_values_reach_their_places(bakes):
             env = {entry["name"]: entry.get("value") for entry in container["env"]}
             assert (env["NNODES"], env["NPROC_PER_NODE"]) == (nodes, gpus)
             assert env["MASTER_ADDR"] == f"{name}-node-0-0.{name}"
+        if skypilot == "yes":
+            task_file = yaml.safe_load((project / "sky.yaml").read_text())
+            assert task_file["num_nodes"] == int(nodes) and task_file["resources"]["accelerators"] == f"H100:{gpus}"

@@ -17,6 +17,7 @@ VALID = {
     "slurm": "yes",
     "task": "language",
     "kubernetes": "no",
+    "skypilot": "no",
 }
 
 
@@ -48,6 +49,10 @@ def test_bad_slurm_answer():
 
 def test_bad_task():
     assert hook.first_error({**VALID, "task": "audio"}) == "task 'audio' is not one of: language, vision, tabular"
+
+
+def test_bad_skypilot_answer():
+    assert hook.first_error({**VALID, "skypilot": "maybe"}) == "skypilot 'maybe' is not one of: yes, no"
 
 
 def test_bad_kubernetes_answer():

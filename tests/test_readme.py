@@ -25,7 +25,7 @@ def anchors(text):
     return {slug(line.lstrip("#")) for line in text.splitlines() if re.match(r"#{1,6} ", line)}
 
 
-def check_project(project, task="language", slurm="yes", kubernetes="no"):
+def check_project(project, task="language", slurm="yes", kubernetes="no", skypilot="no"):
     texts = pages(project)
     readme = texts["README.md"]
     assert len(readme.splitlines()) <= 250, len(readme.splitlines())
@@ -35,9 +35,13 @@ def check_project(project, task="language", slurm="yes", kubernetes="no"):
 
     assert (project / "docs" / "kubernetes.md").exists() == (kubernetes == "yes")
     assert (project / "docs" / "slurm.md").exists() == (slurm == "yes")
+    assert (project / "docs" / "skypilot.md").exists() == (skypilot == "yes")
     everything = "\n".join(texts.values())
     if kubernetes == "no":
         for text in ("k8s/", "Dockerfile", "kubernetes.md"):
+            assert text not in everything, text
+    if skypilot == "no":
+        for text in ("sky.yaml", "skypilot.md", "SkyPilot"):
             assert text not in everything, text
     if slurm == "no":
         assert "sbatch" not in everything and "slurm.md" not in everything
@@ -81,7 +85,7 @@ def test_the_default_readme_is_a_front_door_and_docs_hold_the_rest(default_proje
         {"task": "tabular"},
         {"kubernetes": "yes"},
         {"slurm": "no"},
-        {"task": "tabular", "slurm": "no", "kubernetes": "yes"},
+        {"task": "tabular", "slurm": "no", "kubernetes": "yes", "skypilot": "yes"},
     ],
     ids=lambda answers: ",".join(f"{k}={v}" for k, v in answers.items()),
 )
@@ -90,3 +94,7 @@ def test_readme_and_docs_follow_the_answers(cookies, answers):
     check_project(project, **answers)
     if answers.get("kubernetes") == "yes":
         assert "](docs/kubernetes.md)" in (project / "README.md").read_text()
+    if answers.get("skypilot") == "yes":
+        readme = (project / "README.md").read_text()
+        assert "](docs/skypilot.md)" in readme
+        assert "sky launch -c NAME sky.yaml" in readme and "sky jobs launch sky.yaml" in readme

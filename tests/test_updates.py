@@ -61,18 +61,20 @@ def test_post_gen_hook_only_removes_listed_files_and_is_idempotent(tmp_path):
     (tmp_path / "k8s").mkdir()
     (tmp_path / "tests" / "cluster").mkdir(parents=True)
     names = ("scripts/slurm.sbatch", "scripts/launch.sh", "train.py", "k8s/jobset.yaml", "Dockerfile",
-             "tests/cluster/test_kubernetes.py", "tests/test_train.py")  # fmt: skip
+             "tests/cluster/test_kubernetes.py", "tests/test_train.py", "sky.yaml",
+             "tests/cluster/test_skypilot.py")  # fmt: skip
     for name in names:
         (tmp_path / name).write_text("x")
-    hook.remove_unwanted(tmp_path, {"slurm": "no", "kubernetes": "no"})
-    hook.remove_unwanted(tmp_path, {"slurm": "no", "kubernetes": "no"})  # again, as cruft does on every update
+    none = {"slurm": "no", "kubernetes": "no", "skypilot": "no"}
+    hook.remove_unwanted(tmp_path, none)
+    hook.remove_unwanted(tmp_path, none)  # again, as cruft does on every update
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == [
         "scripts/launch.sh",
         "tests/test_train.py",
         "train.py",
     ]
     assert not (tmp_path / "k8s").exists()
-    hook.remove_unwanted(tmp_path, {"slurm": "yes", "kubernetes": "yes"})
+    hook.remove_unwanted(tmp_path, {"slurm": "yes", "kubernetes": "yes", "skypilot": "yes"})
     assert (tmp_path / "train.py").exists()
 
 
