@@ -182,9 +182,12 @@ TASK_TESTS = [
     "tests/test_task.py",
     "tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",
     "tests/test_experiments.py::test_example_experiments_are_valid_configs",
-    # Muon on the task's own layers (a ResNet's kernels, an MLP's hidden layer): 1 vs 2
-    # processes and fsdp against ddp, where a layer's shape decides what Muon does.
+    # Muon on the task's own layers (a ResNet's kernels, an MLP's hidden layer): torch's update
+    # to the bit, 1 vs 2 processes, each rank its share, fsdp against ddp, where a layer's shape
+    # decides what Muon does.
+    "tests/test_muon.py::test_the_update_is_torch_optim_muons_to_the_bit",
     "tests/test_muon.py::test_world_size_and_accumulation_give_the_same_parameters_under_muon",
+    "tests/test_muon.py::test_each_rank_orthogonalises_its_share_of_the_matrices",
     "tests/test_muon.py::test_fsdp_orthogonalises_whole_matrices_and_trains_ddps_parameters_under_muon",
 ]
 

@@ -53,6 +53,9 @@ class Config(RunConfig, ModelConfig, DataConfig):
         "adamw", "adamw, or muon: Muon for the hidden weight matrices, AdamW for the rest (docs/optimizers.md)",
         ("adamw", "muon"),
     )  # fmt: skip
+    muon_lr: float = knob(
+        0.01, "--optimizer muon: peak learning rate of Muon's matrices (the other parameters: --lr), same schedule"
+    )
     weight_decay: float = knob(0.01, "decoupled weight decay of matrices (AdamW's, and Muon's)")
     muon_momentum: float = knob(0.95, "--optimizer muon: Muon's Nesterov momentum")
     muon_ns_steps: int = knob(5, "--optimizer muon: Newton-Schulz iterations that orthogonalise each update")

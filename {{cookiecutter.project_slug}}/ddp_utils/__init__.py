@@ -33,7 +33,6 @@ module has one job, on one floor; a module imports only from the modules listed 
     trackers.py      TensorBoard, W&B, MLflow (--tracker)
     checkpoint_files.py  the checkpoint formats on disk: single files, DCP folders
     checkpoint_space.py  a checkpoint's size, the room the kept ones need, a full disk in words
-    compat.py        bridges between the torch releases the project supports
     data.py          which rank sees which samples, loaders, seeding
     dist.py          the process group, devices, collectives and store waits
     faults.py        error types, stop signals, the watchdog, step agreements, the exit path
@@ -47,6 +46,7 @@ module has one job, on one floor; a module imports only from the modules listed 
     schedule.py      the learning rate as a pure function of samples trained
     optim.py         the optimizer (AdamW, fused) and gradient clipping
     comm_model.py    what gradients cost to send: the preflight's prediction of a job's step
+    compat.py        bridges between the torch releases the project supports
 
 Rules the package keeps for the rest of the project:
 - Rank-0-only side effects (files, console) go through `logs.rank_zero_only`; code under it

@@ -3,6 +3,7 @@ names the release that needs it, so it can go when that release leaves the range
 
 import inspect
 
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -24,3 +25,8 @@ def stager_reusable(stager_class):
         return "self._state_dict_stager.close()" not in inspect.getsource(stager_class._stage)
     except (OSError, TypeError):  # no source to read: a new stager for each save is safe anyway
         return False
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns there);
+# older releases know only all_gather_into_tensor.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

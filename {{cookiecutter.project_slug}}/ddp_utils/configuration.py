@@ -52,8 +52,9 @@ class RunConfig:
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(name, "must not be negative")
-        if not self.lr > 0:
-            raise ConfigError("lr", "must be greater than 0")
+        for name in ("lr", "muon_lr"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, "must be greater than 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("min_lr_ratio", "must be between 0 and 1")
         if not 0 <= self.muon_momentum < 1:

@@ -2,11 +2,15 @@
 matrices beside AdamW for the rest (`build_optimizer`), and the global gradient norm
 (`clip_grad_norm`), the two per-step passes over every parameter."""
 
+import functools
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+
+from .compat import all_gather_single
 
 
 def build_optimizer(model, cfg, device, module=None):
@@ -21,8 +25,8 @@ def build_optimizer(model, cfg, device, module=None):
     the CPU too, where torch would otherwise loop over them in Python (the template's
     benchmarks: 3.6% of a small GPT's throughput).
 
-    muon: MuonWithAdamW: Muon for the hidden weight layers (muon_parameters), AdamW in the
-    same two groups for everything else."""
+    muon: MuonWithAdamW: Muon for the hidden weight layers (muon_parameters) at --muon_lr, AdamW
+    in the same two groups for everything else at --lr."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     fused = device.type in ("cuda", "cpu")
     if cfg.optimizer == "adamw":
@@ -30,10 +34,25 @@ def build_optimizer(model, cfg, device, module=None):
     module = module if module is not None else getattr(model, "module", model)  # inside DDP
     hidden = {id(p) for p in muon_parameters(module, model)}
     groups = [
-        {"params": [p for p in parameters if id(p) in hidden], "weight_decay": cfg.weight_decay, "muon": True},
+        {
+            "params": [p for p in parameters if id(p) in hidden],
+            "weight_decay": cfg.weight_decay,
+            "muon": True,
+            "lr": cfg.muon_lr,
+        },  # fmt: skip
         *adamw_groups([p for p in parameters if id(p) not in hidden], cfg),
     ]
-    return MuonWithAdamW(groups, lr=cfg.lr, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, fused=fused)
+    # Under ddp the ranks share Newton-Schulz's work (MuonExchange); fsdp's sharded parameters
+    # carry their own mesh.
+    process_group = model.process_group if isinstance(model, nn.parallel.DistributedDataParallel) else None
+    return MuonWithAdamW(groups, lr=cfg.lr, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, fused=fused,
+                         process_group=process_group)  # fmt: skip
+
+
+def peak_lr(group, cfg):
+    """The learning rate a parameter group's schedule peaks at: --muon_lr for Muon's matrices
+    (its best is its own: docs/optimizers.md), --lr for the rest."""
+    return cfg.muon_lr if group.get("muon") else cfg.lr
 
 
 def adamw_groups(parameters, cfg):
@@ -79,43 +98,60 @@ def strip_wrappers(name):
     return name
 
 
-def newton_schulz(update, steps, eps=1e-7):
-    """The nearest (semi-)orthogonal matrix to `update`, approximately: Keller Jordan's quintic
-    Newton-Schulz iteration with torch.optim.Muon's coefficients. On GPUs in bf16, as torch's
-    Muon and the speedrun do (the iteration tolerates it, the tensor cores are fast at it); on
-    the CPU, and in float64 anywhere (the tests, the doctor), in the update's own dtype, so that
-    float64 runs compare exactly."""
+def newton_schulz(matrices, steps, eps=1e-7):
+    """The nearest (semi-)orthogonal matrices to a batch of same-shaped `matrices` (batch, rows,
+    columns), approximately: Keller Jordan's quintic Newton-Schulz iteration with torch.optim.Muon's
+    coefficients, one batched matmul per stage for the whole batch. Each matrix gets torch's
+    result to the bit (in the same dtype): a batched matmul computes each matrix as a matmul of
+    its own, and a tall batch is iterated on as its transposed view, as torch does each matrix."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    dtype = torch.bfloat16 if update.device.type == "cuda" and update.dtype != torch.float64 else update.dtype
-    x = update.to(dtype)
-    tall = x.size(0) > x.size(1)
-    if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+    tall = matrices.size(1) > matrices.size(2)
+    x = matrices.mT if tall else matrices  # rows <= columns: the Gram matrices are the small side
+    x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # spectral norms at most 1
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return (x.T if tall else x).to(update.dtype)
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
-def orthogonalised(update, steps):
-    """newton_schulz of a matrix, or of a convolution kernel viewed as output channels x the rest."""
-    return newton_schulz(update.reshape(len(update), -1), steps).view_as(update)
+@functools.cache
+def compiled_newton_schulz():
+    """newton_schulz compiled for GPUs: one graph per batch shape (static shapes, as nanochat
+    and the speedrun compile it), its elementwise steps fused around the matmuls."""
+    return torch.compile(newton_schulz, dynamic=False, fullgraph=True)
+
+
+def newton_schulz_dtype(tensor):
+    """On GPUs bf16, as torch's Muon and the speedrun (the iteration tolerates it, the tensor
+    cores are fast at it); on the CPU, and in float64 anywhere (the tests, the doctor), the
+    update's own dtype, so that float64 runs compare exactly."""
+    return torch.bfloat16 if tensor.device.type == "cuda" and tensor.dtype != torch.float64 else tensor.dtype
+
+
+def orthogonalise(matrices, steps):
+    """newton_schulz of same-shaped 2-D matrices as one batch, returned as a batch: on GPUs
+    compiled, elsewhere eager."""
+    batch = torch.stack(matrices)
+    if batch.device.type == "cuda":
+        return compiled_newton_schulz()(batch, steps)
+    return newton_schulz(batch, steps)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon (momentum orthogonalised by Newton-Schulz) for the groups marked "muon", AdamW for the
     others, as one optimizer: one set of param_groups for the schedule and the loss scaler, one
     state_dict for checkpoints (plain or sharded). Muon's step is torch.optim.Muon's (Nesterov
-    momentum, decoupled weight decay, its update scaled by 0.2 x sqrt(max(rows, columns)) to
-    AdamW's size: "match_rms_adamw", so --lr and --weight_decay apply to both; Muon's best
-    --lr is still its own, docs/optimizers.md), with two changes:
-    Newton-Schulz in the parameter's dtype off GPUs (newton_schulz), and whole matrices under
-    fsdp: a sharded update is gathered, orthogonalised whole and cut back to this rank's rows
-    (orthogonalising each shard on its own would be another, wrong, update, with no error)."""
+    momentum, decoupled weight decay, its update scaled by 0.2 x sqrt(max(rows, columns)):
+    "match_rms_adamw"), arranged for speed: the momentum and the parameters' updates are
+    foreach calls over all matrices, Newton-Schulz one batched call per shape, and with several
+    processes each matrix is orthogonalised by one of them, which shares the result
+    (MuonExchange): not every rank all of them. Never a shard on its own under fsdp: that
+    would be another, wrong, update, with no error."""
 
-    def __init__(self, groups, lr, momentum, ns_steps, fused):
+    def __init__(self, groups, lr, momentum, ns_steps, fused, process_group=None):
         super().__init__(groups, {"lr": lr, "muon": False, "momentum": momentum, "ns_steps": ns_steps})
+        self.process_group = process_group  # ddp's: the ranks share the Newton-Schulz work
+        self.exchange = None  # made at the first step
         self._link(fused)
 
     def _link(self, fused=None):
@@ -144,28 +180,155 @@ class MuonWithAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         self.adamw.step()
-        for group in self.param_groups:
-            if group["muon"]:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._muon_step(p, group)
+        groups = [group for group in self.param_groups if group["muon"]]
+        if self.exchange is None:
+            self.exchange = MuonExchange([(group["params"], group["ns_steps"]) for group in groups], self.process_group)
+        updates = {}  # parameter: its update as this rank holds it, before Newton-Schulz
+        for group in groups:
+            stepped = [p for p in group["params"] if p.grad is not None]
+            for p in stepped:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+            if stepped:
+                grads = [local(p.grad) for p in stepped]
+                buffers = [local(self.state[p]["momentum_buffer"]) for p in stepped]
+                torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
+                updates.update(zip(stepped, torch._foreach_lerp(grads, buffers, group["momentum"])))  # Nesterov
+        orthogonal = self.exchange.orthogonalise(updates)
+        for group in groups:
+            stepped = [p for p in group["params"] if p.grad is not None]
+            if stepped:
+                lr, parameters = group["lr"], [local(p) for p in stepped]
+                torch._foreach_mul_(parameters, 1 - lr * group["weight_decay"])
+                for p, parameter in zip(stepped, parameters):
+                    rows, columns = p.shape[0], math.prod(p.shape[1:])  # a kernel: output channels x the rest
+                    parameter.add_(orthogonal[p], alpha=-(lr * (0.2 * math.sqrt(max(rows, columns)))))  # torch's order
 
-    def _muon_step(self, p, group):
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        buffer, momentum = state["momentum_buffer"], group["momentum"]
-        buffer.lerp_(p.grad, 1 - momentum)
-        update = p.grad.lerp(buffer, momentum)  # Nesterov
-        if isinstance(update, DTensor):  # fsdp: this rank's rows of the matrix
-            whole = orthogonalised(update.full_tensor(), group["ns_steps"])
-            # Every rank computed the same whole update: each keeps its own rows, no communication.
-            update = distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
-        else:
-            update = orthogonalised(update, group["ns_steps"])
-        rows, columns = p.shape[0], math.prod(p.shape[1:])  # a kernel as output channels x the rest
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(update, alpha=-group["lr"] * 0.2 * math.sqrt(max(rows, columns)))
+
+def local(tensor):
+    """A tensor's data on this rank: a DTensor's local shard (under no_grad the very tensor the
+    DTensor holds: changed in place, it changes the parameter), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class MuonExchange:
+    """Who orthogonalises which of Muon's matrices, and how the results reach the ranks that
+    need them. The matrices (a convolution kernel as output channels x the rest) are batched by
+    shape, and dealt to the W ranks in turn, batch after batch (rank r takes matrices r, r + W,
+    ...: about 1/W of the work each, and of each shape). The plan is fixed, the same on every
+    rank, and so are the sizes each rank sends: a matrix without a gradient in a step is sent
+    as zeros (and not applied).
+
+    - One process, or plain tensors and no `process_group`: every matrix here, no exchange.
+    - ddp (`process_group`): every rank holds every whole update (the gradients are all-reduced);
+      each orthogonalises its matrices, and one all-gather hands every rank all the results.
+    - fsdp/hsdp (DTensors sharded by rows over one mesh dimension): each rank holds some rows of
+      every update. One all_to_all_single sends each matrix's rows to the rank that takes it,
+      which orthogonalises it whole; a second sends each rank its rows of every result. Under
+      hsdp each replica does the same work.
+    Updates travel in newton_schulz_dtype (bf16 on GPUs: what Newton-Schulz starts from anyway).
+    """
+
+    def __init__(self, groups, process_group=None):
+        self.batches = {}  # (rows, columns, Newton-Schulz steps): [parameters]
+        for parameters, steps in groups:
+            for p in parameters:
+                self.batches.setdefault((p.shape[0], math.prod(p.shape[1:]), steps), []).append(p)
+        first = local(next(p for ps, _ in groups for p in ps))
+        self.device, self.dtype = first.device, newton_schulz_dtype(first)
+        self.group, self.size, self.rank, self.sharded = process_group, 1, 0, False
+        meshes = {(p.device_mesh, p.placements) for ps, _ in groups for p in ps if isinstance(p, DTensor)}
+        if meshes:
+            ((mesh, placements),) = meshes  # FSDP2: one mesh, every parameter sharded by rows
+            (dim,) = [i for i, placement in enumerate(placements) if placement.is_shard(dim=0)]
+            self.group, self.sharded = mesh.get_group(dim), True
+            self.size, self.rank = mesh.size(dim), mesh.get_local_rank(dim)
+        elif process_group is not None:
+            self.size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        # What each rank takes, batch by batch: {(rows, columns, steps): [parameters]}.
+        ordered = [(key, p) for key, batch in self.batches.items() for p in batch]
+        self.taken = [{} for _ in range(self.size)]
+        for i, (key, p) in enumerate(ordered):
+            self.taken[i % self.size].setdefault(key, []).append(p)
+
+    def orthogonalise(self, updates):
+        """{parameter: its update orthogonalised (this rank's rows of it under fsdp)} for the
+        parameters in `updates` ({parameter: its update as this rank holds it})."""
+        if self.size == 1:
+            return {p: m.view(p.shape) for p, m in self.orthogonalise_mine(updates).items() if p in updates}
+        return self._sharded(updates) if self.sharded else self._replicated(updates)
+
+    def orthogonalise_mine(self, wholes):
+        """{parameter: its whole update orthogonalised, as a matrix} for the parameters this rank
+        takes, one batched call per shape; `wholes` holds their whole updates (any shape)."""
+        done = {}
+        for (rows, _, steps), batch in self.taken[self.rank].items():
+            matrices = [self.update(wholes, p).reshape(rows, -1) for p in batch]
+            done.update(zip(batch, orthogonalise(matrices, steps)))
+        return done
+
+    def update(self, updates, p):
+        """`p`'s update in `updates` in the exchange's dtype, or zeros of the shape this rank holds."""
+        update = updates.get(p)
+        return local(p).new_zeros(local(p).shape, dtype=self.dtype) if update is None else update.to(self.dtype)
+
+    def _replicated(self, updates):
+        """ddp: each rank its matrices, then one all-gather of everyone's results (each rank's
+        padded to the largest share)."""
+        ranks = range(self.size)
+        numels = [sum(p.numel() for batch in self.taken[rank].values() for p in batch) for rank in ranks]
+        mine = list(self.orthogonalise_mine(updates).values())
+        sent = torch.zeros(max(numels), dtype=self.dtype, device=self.device)
+        if mine:
+            torch.cat([m.flatten() for m in mine], out=sent[: numels[self.rank]])
+        gathered = sent.new_empty(self.size * sent.numel())
+        all_gather_single(gathered, sent, group=self.group)
+        done = {}
+        for rank, results in zip(ranks, gathered.view(self.size, -1)):
+            theirs = [p for batch in self.taken[rank].values() for p in batch]
+            for p, values in zip(theirs, results[: numels[rank]].split([p.numel() for p in theirs])):
+                if p in updates:
+                    done[p] = values.view(p.shape)
+        return done
+
+    def _sharded(self, updates):
+        """fsdp: each matrix's rows to the rank that takes it, orthogonalised whole there, and
+        each rank's rows of the result back to it."""
+        ranks = range(self.size)
+        theirs = [[p for batch in self.taken[rank].values() for p in batch] for rank in ranks]
+        # 1. This rank's rows of every matrix to the rank that takes it; every rank's rows of this
+        # rank's matrices here, in the ranks' order: each matrix whole.
+        sent = [self.update(updates, p).flatten() for rank in ranks for p in theirs[rank]]
+        to_takers = [sum(self.numel(p, self.rank) for p in theirs[rank]) for rank in ranks]
+        from_holders = [sum(self.numel(p, rank) for p in theirs[self.rank]) for rank in ranks]
+        got = self.all_to_all(sent, to_takers, from_holders)
+        rows = [part.split([self.numel(p, rank) for p in theirs[self.rank]]) for rank, part in
+                zip(ranks, got.split(from_holders))]  # fmt: skip
+        wholes = {p: torch.cat([rows[rank][i] for rank in ranks]) for i, p in enumerate(theirs[self.rank])}
+        # 2. This rank's matrices orthogonalised; each rank sent its rows of them.
+        results = self.orthogonalise_mine(wholes)
+        sent = [results[p][self.rows(p, rank)].flatten() for rank in ranks for p in theirs[self.rank]]
+        got = self.all_to_all(sent, from_holders, to_takers)
+        order = [p for rank in ranks for p in theirs[rank]]
+        held = got.split([self.numel(p, self.rank) for p in order])
+        return {p: values.view(local(p).shape) for p, values in zip(order, held) if p in updates}
+
+    def rows(self, p, rank):
+        """The rows of `p` that `rank` holds under fsdp: torch.chunk's split, as FSDP2's."""
+        chunk = math.ceil(p.shape[0] / self.size)
+        return slice(min(p.shape[0], rank * chunk), min(p.shape[0], (rank + 1) * chunk))
+
+    def numel(self, p, rank):
+        """Elements of `p` that `rank` holds under fsdp."""
+        rows = self.rows(p, rank)
+        return (rows.stop - rows.start) * math.prod(p.shape[1:])
+
+    def all_to_all(self, pieces, sent_sizes, received_sizes):
+        """all_to_all_single of the concatenated `pieces` (sent_sizes[r] elements to rank r)."""
+        sent = torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.dtype, device=self.device)
+        received = sent.new_empty(sum(received_sizes))
+        dist.all_to_all_single(received, sent, received_sizes, sent_sizes, group=self.group)
+        return received
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from .faults import Preempted, StepChecks, StopRequest, Watchdog
 from .flops import build_throughput
 from .logs import report, warn_main
 from .metrics import Meter, Reporter
-from .optim import build_optimizer
+from .optim import build_optimizer, peak_lr
 from .precision import AMP_DTYPES, autocast, loss_scale
 from .profiling import StepProfiler
 from .schedule import Plan, lr_at
@@ -199,7 +199,7 @@ class Trainer:
                 self.batches_done = micro_step + 1
                 if stop:  # agreed by all ranks: save where we are and exit
                     self.checkpoint(stopping=True)
-                lr = self.optimizer.param_groups[0]["lr"]
+                lr = lr_at(self.samples_seen, cfg, self.plan)
                 self.meter.step_done(self.step, self.samples_seen, loss, self.last_norm, self.last_scale, lr)
                 self.samples.at_step(self.step)  # --sample_every_steps
                 self._evaluate_or_save()
@@ -251,9 +251,8 @@ class Trainer:
             # measures their global norm (over every shard under FSDP).
             norm = self.strategy.clip_gradients(parameters, cfg.max_grad_norm or math.inf)
         self.samples_seen += self.global_batch
-        lr = lr_at(self.samples_seen, cfg, self.plan)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # AdamW's at --lr, Muon's at --muon_lr
+            group["lr"] = lr_at(self.samples_seen, cfg, self.plan, peak_lr(group, cfg))
         # fp16's loss scale before and after the step, kept on the device: get_scale() would
         # make the host wait for it, and nothing else here does (fused AdamW reads GradScaler's
         # found_inf on the device to skip an overflowed step).
@@ -290,7 +289,9 @@ class Trainer:
         metrics = {"epoch": self.epoch + 1, "step": self.step, "train_loss": (train_loss[0] / train_loss[1]).item()}
         metrics.update(self.evaluate(), **timing)
         metrics["model_state_mb"] = model_state_bytes(self.model, self.optimizer) / 2**20  # rank 0's share
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["lr"] = lr_at(self.samples_seen, self.cfg, self.plan)  # --lr's: AdamW's
+        if self.cfg.optimizer == "muon":
+            metrics["muon_lr"] = lr_at(self.samples_seen, self.cfg, self.plan, self.cfg.muon_lr)
         self.meter.write_line(metrics, self.samples_seen)
         self.last_evaluated = self.step
         # The loss sums restart after each line (and carry over in a checkpoint).

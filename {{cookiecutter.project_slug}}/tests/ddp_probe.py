@@ -566,6 +566,63 @@ class WithBadSamples(Wrapped):
         return WithBadSamples(self.data, self.bad, [k for i, k in enumerate(self.keep) if i not in dropped])
 
 
+def count_orthogonalised():
+    """Every rank prints, at the end, how many matrices it orthogonalised in each optimizer step
+    (Muon's newton_schulz, wrapped): a rank's share of Muon's work."""
+    from ddp_utils import optim
+
+    counts = []
+    newton_schulz = optim.newton_schulz
+
+    def counting(matrices, steps, *args, **kwargs):
+        counts.append(len(matrices))
+        return newton_schulz(matrices, steps, *args, **kwargs)
+
+    optim.newton_schulz = counting
+    step = optim.MuonWithAdamW.step
+
+    def counting_step(self, *args, **kwargs):
+        counts.append("step")
+        return step(self, *args, **kwargs)
+
+    optim.MuonWithAdamW.step = counting_step
+
+    def finish():
+        per_step, current = [], None
+        for count in counts:
+            if count == "step":
+                current = 0
+                per_step.append(current)
+            else:
+                per_step[-1] += count
+        # One write of the whole line: the ranks share stdout, and a print may be split in two.
+        line = "PROBE " + json.dumps({"rank": RANK, "orthogonalised_per_step": per_step}) + "\n"
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), line.encode())
+
+    return finish
+
+
+def record_group_lrs():
+    """Rank 0 prints each optimizer step's learning rates, per parameter group (and whether the
+    group is Muon's), as the step runs."""
+    from ddp_utils import optim
+
+    seen = []
+    for optimizer_class in (torch.optim.AdamW, optim.MuonWithAdamW):
+        step = optimizer_class.step
+
+        def recording_step(self, *args, _step=step, **kwargs):
+            if not getattr(self, "_inner", False):
+                seen.append([[group["lr"], bool(group.get("muon"))] for group in self.param_groups])
+                if hasattr(self, "adamw"):
+                    self.adamw._inner = True
+            return _step(self, *args, **kwargs)
+
+        optimizer_class.step = recording_step
+    return lambda: probe_print(group_lrs=seen)
+
+
 def late_rank0():
     """Rank 0 starts 3 s after the others (a loaded machine): they reach any error first."""
     if RANK == 0:
@@ -580,6 +637,7 @@ PROBES = {
     + (slow_checkpoint_write,)
     + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
     + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads, item_in_forward)
+    + (count_orthogonalised, record_group_lrs)
 }
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""--optimizer muon keeps the guarantees AdamW's runs are held to: 1 vs 2 processes and
-accumulation give the same parameters, fsdp and hsdp give DDP's (Newton-Schulz on whole
+"""--optimizer muon keeps the guarantees AdamW's runs are held to, and is torch.optim.Muon's
+update computed faster: the update is torch's to the bit (float64), each rank orthogonalises
+only its share of the matrices, Muon's matrices follow the schedule at --muon_lr and the rest
+at --lr; 1 vs 2 processes and accumulation give the same parameters, fsdp and hsdp give DDP's (Newton-Schulz on whole
 matrices, never on a shard), resume after SIGTERM and after a SIGKILL of the whole job is exact
 (both optimizers' state in the checkpoint), resume on another world size stays on course, fp16
 skips an overflowing step, the doctor passes, and a checkpoint of one optimizer is refused by
@@ -12,6 +14,7 @@ import math
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,6 +28,7 @@ from conftest import (
     checkpoint,
     compared_metrics,
     kill_tree,
+    probe_output,
     read_metrics,
     relative_difference,
     run_tolerance,
@@ -36,6 +40,8 @@ from conftest import (
 )
 from test_fsdp import final_weights
 
+from ddp_utils.optim import build_optimizer
+from ddp_utils.schedule import Plan, lr_at
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp  # exact comparisons need --amp none
@@ -51,7 +57,7 @@ class MuonRuns:
 
     def run(self, name, *args, nproc):
         output_dir = self.tmp_path_factory.mktemp(name)
-        result = run_training(output_dir, *ARGS, *MUON, *args, nproc=nproc, probe="float64")
+        result = run_training(output_dir, *ARGS, *MUON, *args, nproc=nproc, probe="float64,count_orthogonalised")
         return output_dir, result
 
     @functools.cached_property
@@ -104,6 +110,88 @@ def test_muon_takes_weight_matrices_and_adamw_the_rest(muon):
         model = TASK.build_model(TINY_CONFIG.resolved())  # its sizes read from the data
     assert matrices >= 1 and tensors >= 1, line
     assert muon_numel + adamw_numel == sum(p.numel() for p in model.parameters()), line
+
+
+def tiny_model_in_float64(cfg):
+    torch.set_default_dtype(torch.float64)
+    try:
+        return TASK.build_model(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_the_update_is_torch_optim_muons_to_the_bit(monkeypatch):
+    """Three steps of build_optimizer's Muon on the task's model (float64, random gradients)
+    give the parameters torch.optim.Muon (match_rms_adamw, at --muon_lr) and torch.optim.AdamW
+    (its two groups, at --lr) give: equal to the bit, with torch's Newton-Schulz run in the
+    input's dtype rather than bf16 (its only cast). Batched by shape, a matrix still gets the
+    matmuls it gets alone; one thread, as a batched matmul split over threads may sum in
+    another order than a single one."""
+    cfg = replace(TINY_CONFIG.resolved(), optimizer="muon", muon_lr=0.02, lr=0.003, weight_decay=0.1)
+    ours_model = tiny_model_in_float64(cfg)
+    ours = build_optimizer(ours_model, cfg, torch.device("cpu"))
+    names = {id(p): name for name, p in ours_model.named_parameters()}
+    theirs_model = {name: p.detach().clone() for name, p in ours_model.named_parameters()}
+    muon_names = {names[id(p)] for group in ours.param_groups if group["muon"] for p in group["params"]}
+    assert muon_names, "Muon takes no parameter of this model"
+    # torch.optim.Muon takes 2-D parameters: a convolution kernel as output channels x the rest.
+    matrices = {name: torch.nn.Parameter(theirs_model[name].reshape(len(theirs_model[name]), -1))
+                for name in sorted(muon_names)}  # fmt: skip
+    rest = {name: torch.nn.Parameter(value) for name, value in theirs_model.items() if name not in muon_names}
+    reference_muon = torch.optim.Muon(list(matrices.values()), lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                                      momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
+                                      adjust_lr_fn="match_rms_adamw")  # fmt: skip
+    groups = [{"params": [p for p in rest.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in rest.values() if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    reference_adamw = torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(3):
+            for name, p in ours_model.named_parameters():
+                p.grad = torch.randn(p.shape, dtype=torch.float64, generator=generator)
+                theirs = matrices.get(name, rest.get(name))
+                theirs.grad = p.grad.reshape(theirs.shape).clone()
+            ours.step()
+            reference_adamw.step()
+            with monkeypatch.context() as patch:
+                patch.setattr(torch.Tensor, "bfloat16", lambda tensor: tensor.clone())
+                reference_muon.step()
+    finally:
+        torch.set_num_threads(threads)
+    for name, p in ours_model.named_parameters():
+        theirs = matrices.get(name, rest.get(name))
+        assert torch.equal(p.detach(), theirs.detach().reshape(p.shape)), f"{name} differs from torch's update"
+
+
+def test_each_rank_orthogonalises_its_share_of_the_matrices(muon):
+    """Not every rank all of them: with 2 processes (ddp and fsdp) each optimizer step's
+    matrices are orthogonalised once in all, at most half of them (rounded up) by each rank."""
+    matrices = None
+    for result in (muon.one[1], muon.two[1], muon.fsdp[1]):
+        (line,) = [line for line in result.stdout.splitlines() if "--optimizer muon: Muon takes" in line]
+        matrices = int(line.split("Muon takes ")[1].split()[0])
+        counts = {line["rank"]: line["orthogonalised_per_step"] for line in probe_output(result)}
+        per_step = list(zip(*(counts[rank] for rank in sorted(counts))))
+        assert per_step and all(sum(step) == matrices for step in per_step), (counts, matrices)
+        assert all(max(step) <= math.ceil(matrices / len(counts)) for step in per_step), (counts, matrices)
+    assert len(probe_output(muon.two[1])) == 2
+
+
+def test_muons_matrices_follow_the_schedule_at_muon_lr_and_the_rest_at_lr(tmp_path):
+    """Warmup and cosine decay act on both optimizers, each from its own peak."""
+    flags = ["--max_steps", "6", "--warmup_steps", "2", "--lr", "0.002", "--muon_lr", "0.03"]
+    result = run_training(tmp_path, *MUON, *flags, probe="record_group_lrs")
+    (seen,) = [line["group_lrs"] for line in probe_output(result)]
+    cfg = replace(TINY_CONFIG, max_steps=6, warmup_steps=2, lr=0.002, muon_lr=0.03)
+    batch = cfg.batch_size * cfg.grad_accum_steps  # one process
+    plan = Plan(total_samples=6 * batch, warmup_samples=2 * batch)
+    assert len(seen) == 6
+    for step, groups in enumerate(seen, start=1):
+        assert {muon for _, muon in groups} == {True, False}
+        for lr, muon_group in groups:
+            assert lr == lr_at(step * batch, cfg, plan, cfg.muon_lr if muon_group else cfg.lr), (step, groups)
 
 
 def test_world_size_and_accumulation_give_the_same_parameters_under_muon(muon):
