@@ -32,12 +32,18 @@ BENCH = Path(__file__).resolve().parent
 TEMPLATE = BENCH.parent
 
 
-def bake(task, work):
+def bake(task, work, template=TEMPLATE):
     """The generated project of `task` in `work`, and the flags that point it at its data (for
-    the language task, 2 MB of the standard library's source, byte tokens)."""
+    the language task, 2 MB of the standard library's source, byte tokens; for vision, the
+    digits; tabular: its synthetic data)."""
     from cookiecutter.main import cookiecutter  # here: a GPU machine without it still reads traces
 
-    project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work), extra_context={"task": task}))
+    project = Path(cookiecutter(str(template), no_input=True, output_dir=str(work), extra_context={"task": task}))
+    if task == "vision":  # scikit-learn's digits as an image folder
+        images = work / "images"
+        subprocess.run([sys.executable, "prepare_data.py", "--output_dir", str(images)], cwd=project, check=True,
+                       capture_output=True)  # fmt: skip
+        return project, ["--data_dir", str(images)]
     if task != "language":
         return project, []
     data = work / "text"

@@ -47,6 +47,7 @@ module has one job, on one floor; a module imports only from the modules listed 
     optim.py         the optimizer (AdamW, fused) and gradient clipping
     comm_model.py    what gradients cost to send: the preflight's prediction of a job's step
     compat.py        bridges between the torch releases the project supports
+    collector.py     Python's garbage collector kept out of the training steps
 
 Rules the package keeps for the rest of the project:
 - Rank-0-only side effects (files, console) go through `logs.rank_zero_only`; code under it

@@ -33,7 +33,6 @@ not fit is a warning, with the knob to raise the notice.
 
 import contextlib
 import dataclasses
-import gc
 import itertools
 import json
 import math
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_space import size_text
+from .collector import Collector
 from .comm_model import (
     COMM_HOOKS,
     gradient_bytes,
@@ -164,16 +164,16 @@ def step_times(ctx, trainer, kinds, warmup=2, runs=3):
 
 @contextlib.contextmanager
 def start_up_garbage_frozen():
-    """Start-up's garbage collected, and the objects left out of Python's collections while
-    steps are timed. Else its first full collection after start-up (the 10^6 objects that
-    importing torch and building DDP leave: 0.2-0.4 s on this CPU) falls on whichever step
-    the allocation counts decide, inside a timed run or not; a long job pays it once."""
-    gc.collect()
-    gc.freeze()
+    """Start-up's garbage collected, and no full collection while steps are timed, as in
+    training (collector.py). Else its first full collection after start-up (the 10^6 objects
+    that importing torch and building DDP leave: 0.2-0.4 s on this CPU) falls on whichever step
+    the allocation counts decide, inside a timed run or not."""
+    collector = Collector()
+    collector.start()
     try:
         yield
     finally:
-        gc.unfreeze()  # cleanup_distributed's collection must reach DDP's reducer (its cycles)
+        collector.close()  # cleanup_distributed's collection must reach DDP's reducer (its cycles)
 
 
 def training_batches(trainer):

@@ -185,6 +185,11 @@ class DDPStrategy:
             **{BUFFER_SYNC: buffers_may_differ(self.module)},  # rank 0's buffers, where they may differ
         )
         register_comm_hook(self.model, cfg.comm_hook)
+        # --compile: torch.compile goes around the DDP wrapper, so its communication is compiled
+        # in step with the graph (PyTorch's documented order); no_sync() still acts on the
+        # wrapper. Static shapes (every training batch has the same), as nanochat and the
+        # speedrun compile: a shape that changes is compiled again, never made dynamic.
+        self.forward_model = torch.compile(self.model, dynamic=False) if cfg.compile else self.model
 
     def sync_gradients(self, sync):
         """Gradients are all-reduced only on the last micro-step of an optimizer step."""
@@ -260,6 +265,13 @@ class FSDPStrategy:
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
 
         self.module = self.model = build_module(cfg, build_model, ctx.device, on_meta=cfg.init_on_meta, shard=shard)
+        # --compile: each shard unit (a block; the model, without any) compiled in place, with
+        # static shapes, as torchtitan does; FSDP2's hooks around it (the all-gathers, the
+        # reduce-scatter) stay eager. A whole sharded model compiled breaks its graph at every
+        # one of those hooks.
+        for unit in (shard_units(self.model) or [self.model]) if cfg.compile else ():
+            unit.compile(dynamic=False)
+        self.forward_model = self.model
         # Checkpoint collectives run on a group of their own: an asynchronous save overlaps
         # the next steps, whose collectives use the default group.
         self.checkpoint_group = checkpoint_group(cfg)

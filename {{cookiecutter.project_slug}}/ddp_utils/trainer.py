@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import Checkpointer, resume_position
+from .collector import Collector
 from .contract import count_samples, data_state, model_inputs, model_near_misses, to_device
 from .data import build_loaders, global_batch_size, mix_seed, seed_everything, start_epoch
 from .dist import Agreement, set_tf32
@@ -68,9 +69,7 @@ class Trainer:
         self.amp_dtype = AMP_DTYPES[cfg.amp]
         # fp16 needs loss scaling; for bf16 and none the scaler is a no-op pass-through.
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.amp == "fp16")
-        # torch.compile goes around the DDP or FSDP wrapper, so their communication is compiled in
-        # step with the graph (PyTorch's documented order); no_sync() still acts on the wrapper.
-        self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+        self.forward_model = self.strategy.forward_model  # compiled as the strategy decides (--compile)
 
         self.epoch = 0  # current epoch (0-based)
         self.step = 0  # optimizer steps done in the whole run
@@ -96,6 +95,8 @@ class Trainer:
         one_sample = self.train_loader.collate_fn([self.train_loader.dataset[0]])  # for the FLOP count
         self.meter = Meter(cfg, ctx, self.reporter, build_throughput(cfg, ctx, task, one_sample))
         self.profiler = StepProfiler(cfg, ctx.device, self.output_dir, before_toggle=self._finish_collectives)
+        # Full garbage collections after checkpoints and evaluations, never inside a step.
+        self.collector = Collector()
 
     # --- the trainer's progress: its own state in every checkpoint ------------------------
 
@@ -141,6 +142,8 @@ class Trainer:
         started = time.perf_counter()
         stopping = self.read_agreement() or stopping
         self.checkpointer.save(self.state_dict(), self.loss_totals, stopping=stopping)
+        if not stopping:
+            self.collector.collect()  # where the run waits anyway: its time counts as the checkpoint's
         self.meter.saved_checkpoint(time.perf_counter() - started)
         if stopping:
             # The signal this rank got, or SIGTERM on a rank that got none.
@@ -160,6 +163,7 @@ class Trainer:
         else:
             length = f"{cfg.epochs} epochs of {per_epoch} steps"
         report("training %s, global batch %d, %s", length, self.global_batch, self.strategy.name)
+        self.collector.start()
         self.meter.start_period(self.samples_seen)
         while not self._finished():
             self._run_epoch()  # to the epoch's end, or to max_steps
@@ -293,6 +297,7 @@ class Trainer:
         if self.cfg.optimizer == "muon":
             metrics["muon_lr"] = lr_at(self.samples_seen, self.cfg, self.plan, self.cfg.muon_lr)
         self.meter.write_line(metrics, self.samples_seen)
+        self.collector.collect()
         self.last_evaluated = self.step
         # The loss sums restart after each line (and carry over in a checkpoint).
         self.loss_totals.zero_()
@@ -303,6 +308,7 @@ class Trainer:
 
     def close(self, status):
         """status: finished, preempted, failed (agreed by all ranks) or crashed."""
+        self.collector.close()  # cleanup_distributed's collection must reach DDP's reducer (its cycles)
         self.watchdog.close()
         # Stopping waits for collectives in flight, maybe with a peer that is gone.
         if status != "crashed":

@@ -623,6 +623,70 @@ def record_group_lrs():
     return lambda: probe_print(group_lrs=seen)
 
 
+def record_full_collections():
+    """Rank 0 prints how many full garbage collections (generation 2) ran during training
+    outside the collector's own calls (collector.py: after checkpoints and evaluations), and
+    how many it did. The model's loss keeps 20,000 new objects alive in each training
+    micro-step, as a leaky cache would: under Python's own thresholds full collections follow."""
+    import gc
+
+    from ddp_utils import collector
+
+    kept, state = [], {"training": False, "ours": False, "outside": 0, "by_collector": 0}
+
+    def on_collection(phase, info):
+        if phase == "start" and info["generation"] == 2 and state["training"]:
+            state["by_collector" if state["ours"] else "outside"] += 1
+
+    gc.callbacks.append(on_collection)
+
+    def ours(method):
+        def marked(self, *args, **kwargs):
+            state["ours"] = True
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                state["ours"] = False
+
+        return marked
+
+    for name in ("start", "collect", "close"):
+        setattr(collector.Collector, name, ours(getattr(collector.Collector, name)))
+    train = trainer.Trainer.train
+
+    def training(self):
+        state["training"] = True
+        try:
+            return train(self)
+        finally:
+            state["training"] = False
+
+    trainer.Trainer.train = training
+
+    def leaky(loss, call):
+        kept.append([[index] for index in range(20000)])
+        return loss
+
+    change_training_loss(leaky)
+    return lambda: probe_print(full_collections_outside=state["outside"], by_collector=state["by_collector"])
+
+
+def record_compiled_units():
+    """Rank 0 prints, once the Trainer is built, whether the model it calls is compiled whole (a
+    torch.compile wrapper) and how many of the shard units (strategy.shard_units, else the
+    model) are compiled in place."""
+    init = trainer.Trainer.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        units = strategy.shard_units(self.strategy.module) or [self.strategy.module]
+        compiled = sum(getattr(unit, "_compiled_call_impl", None) is not None for unit in units)
+        whole = isinstance(self.forward_model, torch._dynamo.eval_frame.OptimizedModule)
+        probe_print(compiled_whole=whole, compiled_units=compiled, units=len(units))
+
+    trainer.Trainer.__init__ = recording_init
+
+
 def late_rank0():
     """Rank 0 starts 3 s after the others (a loaded machine): they reach any error first."""
     if RANK == 0:
@@ -637,7 +701,7 @@ PROBES = {
     + (slow_checkpoint_write,)
     + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
     + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads, item_in_forward)
-    + (count_orthogonalised, record_group_lrs)
+    + (count_orthogonalised, record_group_lrs, record_full_collections, record_compiled_units)
 }
 
 if __name__ == "__main__":
