@@ -32,12 +32,14 @@ def test_gpu_check_runs_on_projects_baked_elsewhere(tmp_path):
     assert all((baked / task / "ddp_training" / "train.py").exists() for task in ("tabular", "language", "vision"))
     assert (baked / "data" / "text" / "train.bin").stat().st_size == 2 * 3_600_000  # 4 MB of text, uint16 tokens
     assert (baked / "data" / "digits" / "train").is_dir()
+    # the benchmarks checks run (check 14's profiler, check 21's Muon step) travel with the bake
+    assert all((baked / "bench" / name).exists() for name in ("gpu_check.sh", "profiled.py", "muon_step.py"))
     no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # on a machine with one too
     for selection in ({}, {"PLAN": "1a"}, {"CHECKS": "19 3"}):
         result = run(["bash", "bench/gpu_check.sh", str(baked)], cwd=TEMPLATE, env_override={**no_gpu, **selection})
         assert (result.returncode, result.stderr.strip()) == (1, "gpu_check.sh: no CUDA GPU visible"), selection
-    for selection, message in (({"CHECKS": "1,5"}, "CHECKS='1,5'"), ({"CHECKS": "20"}, "CHECKS='20'"),
-                               ({"PLAN": "3"}, "PLAN='3': one of 1a 1b 2a 2b"),
+    for selection, message in (({"CHECKS": "1,5"}, "CHECKS='1,5'"), ({"CHECKS": "99"}, "CHECKS='99'"),
+                               ({"PLAN": "3"}, "PLAN='3': one of 1a 1b 2a 2b 3a 4a 4b"),
                                ({"PLAN": "1a", "CHECKS": "2"}, "PLAN or CHECKS, not both")):  # fmt: skip
         result = run(["bash", "bench/gpu_check.sh", str(baked)], cwd=TEMPLATE, env_override={**no_gpu, **selection})
         assert result.returncode == 2 and message in result.stderr, (selection, result.stderr)
@@ -46,19 +48,22 @@ def test_gpu_check_runs_on_projects_baked_elsewhere(tmp_path):
 
 
 def test_gpu_check_plans_cover_every_check_once_and_fit_a_command():
-    """`--plans` (no GPU needed): each of the 20 checks is in exactly one plan; plans 1a and 1b
-    (one loan: two commands of 6 minutes) hold the checks that matter most, and each plan's
-    estimated seconds fit its 330 s budget."""
+    """`--plans` (no GPU needed): each of the 21 checks is in exactly one plan; plans 1a and 1b
+    (one loan: two commands of 6 minutes) hold the checks that matter most, plans 4a and 4b
+    (another loan) issue 55's speed figures, and each plan's estimated seconds fit its 330 s
+    budget."""
     result = run(["bash", "bench/gpu_check.sh", "--plans"], cwd=TEMPLATE)
     assert result.returncode == 0, result.stderr
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()[2:]]
     plans = {name.strip(): ([int(n) for n in checks.split()], int(estimate)) for name, checks, estimate, _ in rows}
-    assert list(plans) == ["1a", "1b", "2a", "2b", "3a"]
+    assert list(plans) == ["1a", "1b", "2a", "2b", "3a", "4a", "4b"]
     every = [n for checks, _ in plans.values() for n in checks]
-    assert sorted(every) == list(range(1, 21))
+    assert sorted(every) == list(range(1, 22))
     first_loan = set(plans["1a"][0] + plans["1b"][0])
-    # device binding, host syncs, flight recorder, the compiled GPT, SIGTERM, the doctor, the fixes
-    assert {2, 3, 4, 6, 7, 9, 15, 16, 17, 19} <= first_loan
+    # device binding, host syncs, flight recorder, SIGTERM, the doctor, the fixes
+    assert {2, 3, 4, 9, 15, 16, 17, 19} <= first_loan
+    # MFU, fsdp against ddp, Muon against AdamW; the loop's and the preflight's costs, fused AdamW
+    assert set(plans["4a"][0]) == {6, 7, 21} and set(plans["4b"][0]) == {1, 5, 10, 14}
     assert all(estimate <= 330 for _, estimate in plans.values())
 
 

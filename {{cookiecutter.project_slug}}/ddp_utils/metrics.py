@@ -93,6 +93,7 @@ class Period:
             "samples_per_s": self.samples_per_s(samples, ended),  # steady state: no first step, no checkpoints
             "data_wait_s": self.data_wait_s,  # rank 0's time waiting for batches
             "compute_s": train_seconds - self.data_wait_s,  # the rest of the training time
+            "checkpoint_s": self.checkpoint_s,  # saving checkpoints: what the steps waited for (async: the copy)
             "cpu_s": cpu_seconds,  # rank 0's CPU time while training: host overhead shows here
             "peak_memory_mb": peak_memory_mb(device),  # rank 0's, since the last line
         }

@@ -232,7 +232,16 @@ def assert_same_parameters(output_dir, reference_dir):
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from the uninterrupted run"
 
 
-TIMINGS = {"samples_per_s", "tokens_per_s", "data_wait_s", "compute_s", "cpu_s", "peak_memory_mb", "mfu"}
+TIMINGS = {
+    "samples_per_s",
+    "tokens_per_s",
+    "data_wait_s",
+    "compute_s",
+    "checkpoint_s",
+    "cpu_s",
+    "peak_memory_mb",
+    "mfu",
+}
 
 
 @functools.cache
