@@ -142,8 +142,8 @@ MUTANTS = [
         "negative_lr_accepted",
         "the lr check lets negative values through",
         "ddp_utils/configuration.py",
-        "if not self.lr > 0:",
-        "if self.lr == 0:",
+        "            if not getattr(self, name) > 0:",
+        "            if getattr(self, name) == 0:",
         ("tests/test_config.py",),
     ),
     Mutant(
@@ -174,8 +174,14 @@ MUTANTS = [
         "warmup_off_by_one",
         "the lr is computed before the step's samples are counted (step 1 at lr 0)",
         "ddp_utils/trainer.py",
-        "        self.samples_seen += self.global_batch\n        lr = lr_at(self.samples_seen, cfg, self.plan)\n",
-        "        lr = lr_at(self.samples_seen, cfg, self.plan)\n        self.samples_seen += self.global_batch\n",
+        "        self.samples_seen += self.global_batch\n"
+        "        for group in self.optimizer.param_groups:  # AdamW's at --lr, Muon's at --muon_lr\n"
+        '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan, peak_lr(group, cfg))\n'
+        '            self.lrs["muon_lr" if group.get("muon") else "lr"] = group["lr"]  # logged as the step used them\n',
+        "        for group in self.optimizer.param_groups:  # AdamW's at --lr, Muon's at --muon_lr\n"
+        '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan, peak_lr(group, cfg))\n'
+        '            self.lrs["muon_lr" if group.get("muon") else "lr"] = group["lr"]  # logged as the step used them\n'
+        "        self.samples_seen += self.global_batch\n",
         ("tests/test_train.py::test_the_trainer_follows_the_schedule_from_the_first_step",),
     ),
     # Issue 10: fp16, elastic resizing, checkpoint waits.
@@ -199,8 +205,8 @@ MUTANTS = [
         "lr_on_steps",
         "the schedule runs on steps at the current global batch",
         "ddp_utils/trainer.py",
-        "        lr = lr_at(self.samples_seen, cfg, self.plan)\n",
-        "        lr = lr_at(self.step * self.global_batch + self.global_batch, cfg, self.plan)\n",
+        '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan, peak_lr(group, cfg))\n',
+        '            group["lr"] = lr_at(self.step * self.global_batch + self.global_batch, cfg, self.plan, peak_lr(group, cfg))\n',
         (f"{RESILIENCE}::test_the_learning_rate_stays_on_course_when_the_world_size_changes",),
     ),
     Mutant(
@@ -943,20 +949,67 @@ MUTANTS = [
         ),
     ),
     Mutant(
-        "muon_orthogonalises_shards",
-        "fsdp: Muon orthogonalises each shard's rows on their own, not the whole matrix (no error says so)",
+        "muon_rows_reassembled_out_of_order",
+        "fsdp: Muon puts each matrix's rows together in the wrong ranks' order (no error says so)",
         "ddp_utils/optim.py",
-        '            whole = orthogonalised(update.full_tensor(), group["ns_steps"])\n            # Every rank computed the same whole update: each keeps its own rows, no communication.\n            update = distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)',
-        '            local = orthogonalised(update.to_local(), group["ns_steps"])\n            update = DTensor.from_local(local, update.device_mesh, update.placements)',
+        "wholes = {p: torch.cat([rows[rank][i] for rank in ranks])",
+        "wholes = {p: torch.cat([rows[rank][i] for rank in reversed(ranks)])",
         ("tests/test_muon.py::test_fsdp_orthogonalises_whole_matrices_and_trains_ddps_parameters_under_muon",),
     ),
     Mutant(
         "muon_state_outside_the_checkpoint",
         "Muon's momentum kept beside the optimizer's state: a resume starts it from zero",
         "ddp_utils/optim.py",
-        '        state = self.state[p]\n        if "momentum_buffer" not in state:',
-        '        state = self.__dict__.setdefault("momentum", {}).setdefault(p, {})\n        if "momentum_buffer" not in state:',
+        '                if "momentum_buffer" not in self.state[p]:\n'
+        '                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)\n'
+        "            if stepped:\n"
+        "                grads = [local(p.grad) for p in stepped]\n"
+        '                buffers = [local(self.state[p]["momentum_buffer"]) for p in stepped]',
+        '                self.__dict__.setdefault("momentum", {}).setdefault(p, torch.zeros_like(p.grad))\n'
+        "            if stepped:\n"
+        "                grads = [local(p.grad) for p in stepped]\n"
+        "                buffers = [local(self.momentum[p]) for p in stepped]",
         ("tests/test_muon.py::test_resume_after_sigterm_and_after_a_sigkill_of_the_job_is_exact_under_muon",),
+    ),
+    Mutant(
+        "muon_gram_on_the_large_side",
+        "Newton-Schulz on a tall matrix as it is: its Gram matrix the large side (torch's bits lost)",
+        "ddp_utils/optim.py",
+        "    x = matrices.mT if tall else matrices  # rows <= columns: the Gram matrices are the small side",
+        "    x, tall = matrices, False",
+        ("tests/test_muon.py::test_the_update_is_torch_optim_muons_to_the_bit",),
+    ),
+    Mutant(
+        "muon_every_rank_every_matrix",
+        "ddp: every rank orthogonalises every matrix (the same result, the work not shared)",
+        "ddp_utils/optim.py",
+        "        elif process_group is not None:",
+        "        elif False:",
+        ("tests/test_muon.py::test_each_rank_orthogonalises_its_share_of_the_matrices",),
+    ),
+    Mutant(
+        "muon_lr_ignored",
+        "Muon's matrices at --lr: --muon_lr has no effect",
+        "ddp_utils/optim.py",
+        'return cfg.muon_lr if group.get("muon") else cfg.lr',
+        "return cfg.lr",
+        ("tests/test_muon.py::test_muons_matrices_follow_the_schedule_at_muon_lr_and_the_rest_at_lr",),
+    ),
+    Mutant(
+        "full_collections_left_on",
+        "automatic full garbage collections left on while training (a pause on every rank mid-step)",
+        "ddp_utils/collector.py",
+        "        gc.set_threshold(young, middle, NEVER)",
+        "        gc.set_threshold(*self.thresholds)",
+        ("tests/test_train.py::test_no_full_garbage_collection_runs_inside_the_training_steps",),
+    ),
+    Mutant(
+        "fsdp_whole_model_compiled",
+        "fsdp --compile: the whole sharded model compiled, a graph break at every FSDP2 hook",
+        "ddp_utils/strategy.py",
+        "        for unit in (shard_units(self.model) or [self.model]) if cfg.compile else ():",
+        "        for unit in [self.model] if cfg.compile else ():",
+        ("tests/test_observability.py::test_compile_trains_and_matches_eager_closely",),
     ),
 ]
 

@@ -78,6 +78,7 @@ class Trainer:
         self.loss_totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # sum, count
         self.loss_sum, self.loss_count = self.loss_totals.unbind()  # views: one in-place op each
         self.last_norm = self.last_scale = None  # of the last optimizer step, for its loss line
+        self.lrs = {}  # the learning rates of the last optimizer step ("lr", and "muon_lr" under Muon)
         self.resumed = False  # from a checkpoint
         self.last_evaluated = None  # the step of the last metrics line
         self.checks = StepChecks(cfg, fp16=self.scaler.is_enabled())
@@ -203,7 +204,7 @@ class Trainer:
                 self.batches_done = micro_step + 1
                 if stop:  # agreed by all ranks: save where we are and exit
                     self.checkpoint(stopping=True)
-                lr = lr_at(self.samples_seen, cfg, self.plan)
+                lr = self.lrs.get("lr", self.lrs.get("muon_lr"))
                 self.meter.step_done(self.step, self.samples_seen, loss, self.last_norm, self.last_scale, lr)
                 self.samples.at_step(self.step)  # --sample_every_steps
                 self._evaluate_or_save()
@@ -257,6 +258,7 @@ class Trainer:
         self.samples_seen += self.global_batch
         for group in self.optimizer.param_groups:  # AdamW's at --lr, Muon's at --muon_lr
             group["lr"] = lr_at(self.samples_seen, cfg, self.plan, peak_lr(group, cfg))
+            self.lrs["muon_lr" if group.get("muon") else "lr"] = group["lr"]  # logged as the step used them
         # fp16's loss scale before and after the step, kept on the device: get_scale() would
         # make the host wait for it, and nothing else here does (fused AdamW reads GradScaler's
         # found_inf on the device to skip an overflowed step).
@@ -293,9 +295,7 @@ class Trainer:
         metrics = {"epoch": self.epoch + 1, "step": self.step, "train_loss": (train_loss[0] / train_loss[1]).item()}
         metrics.update(self.evaluate(), **timing)
         metrics["model_state_mb"] = model_state_bytes(self.model, self.optimizer) / 2**20  # rank 0's share
-        metrics["lr"] = lr_at(self.samples_seen, self.cfg, self.plan)  # --lr's: AdamW's
-        if self.cfg.optimizer == "muon":
-            metrics["muon_lr"] = lr_at(self.samples_seen, self.cfg, self.plan, self.cfg.muon_lr)
+        metrics.update(self.lrs)  # --lr's (AdamW's), and --muon_lr's under Muon
         self.meter.write_line(metrics, self.samples_seen)
         self.collector.collect()
         self.last_evaluated = self.step
