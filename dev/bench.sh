@@ -4,6 +4,7 @@
 # step time of two hosts against one over limited links (see bench/network.py; needs root;
 # --network --strategies: ddp, fsdp and hsdp on 2 hosts x 2 processes over the link), or with
 # --tabular-noise the tabular task's noise draw (see bench/tabular_noise.py), or with
+# --tabular-loader the tabular training loader's samples/s (see bench/tabular_loader.py), or with
 # --breakdown where a step's time goes, the generated loop beside the minimal one (see
 # bench/breakdown.py), or with --ci-cpu where the test suite's CPU time goes (see bench/ci_cpu.py),
 # or with --chaos random faults under fsdp (see bench/chaos.py), or with --time-to-quality AdamW
@@ -34,6 +35,10 @@ fi
 if [[ ${1:-} == --time-to-quality ]]; then
     shift
     exec .venv/bin/python bench/time_to_quality.py "$@"
+fi
+if [[ ${1:-} == --tabular-loader ]]; then
+    shift
+    exec .venv/bin/python bench/tabular_loader.py "$@"
 fi
 if [[ ${1:-} == --tabular-noise ]]; then
     shift

@@ -50,6 +50,9 @@ Optional on the datasets:
 - `check_samples(indices) -> {index: problem}` and `without(indices) -> Dataset`: bad samples
   found before training (data.find_bad_samples).
 - `set_epoch(epoch)`: called before each epoch, for randomness drawn from (seed, epoch, index).
+- `__getitems__(indices)` (torch's own hook: DataLoader asks for a whole batch) returning a
+  `data.Batch(inputs, targets)` of tensors gathered at once: the loaders take it as it is,
+  with no collation sample by sample (data.collate). Any other item is default-collated.
 
 A misspelled keyword is an error naming the near miss; a method on the model, the datasets or
 the config classes whose name is a near miss of a hook above is reported once at start.

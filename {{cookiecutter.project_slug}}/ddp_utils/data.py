@@ -11,11 +11,12 @@ import os
 import random
 import signal
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Sampler, default_collate
 
 from .dist import agree
 from .knobs import InputError
@@ -60,6 +61,41 @@ class ShardedSampler(Sampler):
 
     def __len__(self):
         return len(range(self.start + self.rank, self.usable, self.world_size))
+
+
+class Batch(Sequence):
+    """A batch that a dataset's `__getitems__(indices)` gathered at once: `Batch(inputs,
+    targets)`, each field a tensor whose first dimension is the batch (one index operation on
+    tensors held in memory, say).
+
+    To torch's DataLoader and default_collate it is what `__getitems__` should return, the list
+    of the batch's `(input, target)` samples, so any loader still works. The loaders of
+    build_loaders (`collate`) take its fields as they are instead: default_collate would unbind
+    the batch and stack it again one sample at a time, a GPU's wait with a small model.
+    """
+
+    def __init__(self, *fields):
+        self.fields = fields
+
+    def __len__(self):
+        return len(self.fields[0])
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return tuple(field[index] for field in self.fields)
+
+    def __iter__(self):
+        return zip(*(field.unbind() for field in self.fields))
+
+    def collated(self):
+        """What default_collate makes of the samples (a list of the fields stacked): the fields."""
+        return list(self.fields)
+
+
+def collate(batch):
+    """The loaders' collate_fn: a dataset's Batch as it is, a list of samples default-collated."""
+    return batch.collated() if isinstance(batch, Batch) else default_collate(batch)
 
 
 # What a scheduler sends to stop a job: SIGTERM (torchrun, Kubernetes, scancel), SIGUSR1 (SLURM's
@@ -168,6 +204,7 @@ def build_loaders(cfg, ctx, train_set, val_set):
     sampler = ShardedSampler(len(train_set), global_batch_size(cfg, ctx), ctx.rank, ctx.world_size, cfg.seed)
     common = dict(
         batch_size=cfg.batch_size,
+        collate_fn=collate,
         num_workers=cfg.num_workers,
         pin_memory=ctx.device.type == "cuda",  # page-locked buffers make non_blocking copies async
         persistent_workers=cfg.num_workers > 0 and cfg.persistent_workers,

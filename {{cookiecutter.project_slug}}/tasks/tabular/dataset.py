@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ddp_utils.data import mix_seed
+from ddp_utils.data import Batch, mix_seed
 from ddp_utils.knobs import ConfigError, knob
 
 # The synthetic data's sizes, where a field is left at 0.
@@ -126,13 +126,14 @@ class Rows(Dataset):
 
     def __getitems__(self, indices):
         """A whole batch with one gather, and its noise drawn at once, instead of a Python call
-        per sample (DataLoader uses it)."""
+        per sample (DataLoader uses it). A Batch: the training loader takes it as it is, with
+        no collation sample by sample."""
         index = torch.as_tensor(indices, dtype=torch.int64)
         inputs = self.inputs[index]
         if self.noise_std > 0:
             key = mix_seed(self.seed, "noise", int(self.epoch))
             inputs = inputs + self.noise_std * gaussian_noise(key, index, inputs.shape[1])
-        return list(zip(inputs.unbind(), self.targets[index].unbind()))
+        return Batch(inputs, self.targets[index])
 
 
 class SyntheticClassification(Rows):
@@ -171,21 +172,16 @@ def _splitmix64(x):
     return x ^ (x >> np.uint64(31))
 
 
-class GaussianBlobs(Dataset):
+class GaussianBlobs(Rows):
     """A second, simpler task: one Gaussian cluster per class (docs/your-model.md's worked example of
-    plugging in a dataset). Any map-style Dataset of (input, target) pairs works the same way."""
+    plugging in a dataset). Its rows are tensors in memory, so Rows serves them a batch at a
+    time; any map-style Dataset of (input, target) pairs works too, a sample at a time."""
 
     def __init__(self, num_samples, input_dim, num_classes, seed, split):
         centers = torch.randn(num_classes, input_dim, generator=torch.Generator().manual_seed(mix_seed(seed, "blobs")))
         samples = torch.Generator().manual_seed(mix_seed(seed, "blobs", split))
-        self.targets = torch.randint(num_classes, (num_samples,), generator=samples)
-        self.inputs = centers[self.targets] + 0.5 * torch.randn(num_samples, input_dim, generator=samples)
-
-    def __len__(self):
-        return len(self.targets)
-
-    def __getitem__(self, index):
-        return self.inputs[index], self.targets[index]
+        targets = torch.randint(num_classes, (num_samples,), generator=samples)
+        super().__init__(centers[targets] + 0.5 * torch.randn(num_samples, input_dim, generator=samples), targets, seed)
 
 
 def build_datasets(cfg):

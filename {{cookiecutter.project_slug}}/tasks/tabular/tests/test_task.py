@@ -2,6 +2,7 @@
 data, its model's FLOP count, and the worked example of a second dataset."""
 
 import csv
+import dataclasses
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import pytest
 import torch
 from conftest import PROJECT, TINY, read_metrics, run_training, training_env
 from task_settings import COLUMNS, table, write_table
+from torch.utils.data import default_collate
 
 import dataset
 from config import Config
@@ -195,6 +197,40 @@ def test_input_noise_is_drawn_for_a_whole_batch_from_seed_epoch_and_index(monkey
     assert abs(noise.mean().item()) < 0.05 and abs(noise.std().item() - 1) < 0.05  # standard normal
     data.set_epoch(3)
     assert not torch.allclose(data[17][0], batch[17][0])  # fresh noise every epoch
+
+
+@pytest.mark.parametrize("dataset_name", ["synthetic", "blobs"])
+def test_a_training_batch_is_the_datasets_one_gather_not_restacked_sample_by_sample(dataset_name):
+    """A GPU would wait for the data otherwise: the training loader hands on the batch the
+    dataset gathered with one index operation (the very tensors, no copy), instead of
+    unbinding it into samples and stacking them again one at a time; and the batch holds
+    exactly what the sample-by-sample path makes: the same samples in the same order, the
+    same noise, the same dtypes, in the main process and in 2 worker processes."""
+    noise = {"input_noise_std": 1.0} if dataset_name == "synthetic" else {}
+    cfg = Config(dataset=dataset_name, train_samples=256, batch_size=64, **noise).resolved()
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    loader, _ = build_loaders(cfg, ctx, *build_datasets(cfg))
+    data, gathered = loader.dataset, []
+    if hasattr(data, "__getitems__"):  # DataLoader asks for a whole batch at once
+        gather = data.__getitems__
+        data.__getitems__ = lambda indices: gathered.append(gather(indices)) or gathered[-1]
+    start_epoch(loader, 1, rank=0, seed=cfg.seed)
+    batches = list(loader)
+    assert len(batches) == len(gathered) == 4, "one gather per batch"
+    memory = lambda tensor: tensor.untyped_storage().data_ptr()  # noqa: E731
+    for batch, batch_gathered in zip(batches, gathered):  # a field of its first sample: a view of the gather
+        assert [memory(t) for t in batch] == [memory(t) for t in batch_gathered[0]], "the batch was copied"
+    vars(data).pop("__getitems__", None)
+    order = list(loader.sampler)
+    expected = [default_collate([data[index] for index in order[i : i + 64]]) for i in range(0, 256, 64)]
+    for workers in (0, 2):
+        cfg_workers = dataclasses.replace(cfg, num_workers=workers)
+        loader, _ = build_loaders(cfg_workers, ctx, data, data)
+        start_epoch(loader, 1, rank=0, seed=cfg.seed)
+        for batch, wanted in zip(loader, expected, strict=True):
+            assert type(batch) is type(wanted) and len(batch) == len(wanted)
+            for mine, theirs in zip(batch, wanted):
+                assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
 
 
 def test_flops_per_sample_are_counted_as_the_model_runs():
