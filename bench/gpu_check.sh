@@ -27,7 +27,7 @@
 #   0. always: the GPU's name, torch's version and the peak ddp_utils/flops.py matches for MFU.
 #   1. throughput: a 1-GPU NCCL run of train.py per amp mode, with and without torch.compile, on
 #      a compute-bound MLP: samples/s, MFU, peak memory, data-wait share, speedup over none.
-#      Targets: bf16 >= 1.8x none; MFU >= 40% in bf16; data wait < 5%.
+#      Targets: bf16 >= 1.8x none (1.5x compiled); MFU >= 40% in bf16; data wait < 5%.
 #   2. one visible GPU that is not device 0: LOCAL_RANK=1 with one GPU trains (on cuda:0).
 #   3. no host sync: steady-state training steps in bf16 and in fp16 under
 #      torch.cuda.set_sync_debug_mode("error"); evaluation under "warn": no sync between its
@@ -267,7 +267,8 @@ if amp != "none":
     text += f", {speedup:.2f}x none" if speedup else ", no none run to compare"
 goals = [("data wait < 5%", wait < 0.05)]
 if amp == "bf16":
-    goals += [("bf16 >= 1.8x none", bool(speedup and speedup >= 1.8)), ("MFU >= 40%", bool(mfu and mfu >= 0.40))]
+    target = 1.5 if compile_ == "true" else 1.8  # compiled: issue 55's target for the one-gather loader
+    goals += [(f"bf16 >= {target}x none", bool(speedup and speedup >= target)), ("MFU >= 40%", bool(mfu and mfu >= 0.40))]
 print(f"ok ({text}; targets: " + ", ".join(f"{g} {'met' if ok else 'NOT met'}" for g, ok in goals) + ")")
 PY
             ) || row="no metrics line: $(tail_text "$runs/${amp}_$compile.log")"
