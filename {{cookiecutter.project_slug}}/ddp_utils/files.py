@@ -5,6 +5,28 @@ import os
 import shutil
 from pathlib import Path
 
+_fence = None  # set by folder_claim while this process holds a run's output folder
+
+
+class FolderLost(Exception):
+    """The output folder is another run's now (folder_claim): nothing more may be written there."""
+
+
+def fence(check):
+    """Guard every write into the output folder with `check()`: None while this process may
+    write there, else the line saying why not (folder_claim sets it while rank 0 holds the
+    folder, and clears it with None)."""
+    global _fence
+    _fence = check
+
+
+def fenced():
+    """Raise FolderLost, with the line that names the new owner, if this process may no longer
+    write into its output folder: called just before each write that another run could lose."""
+    problem = _fence() if _fence is not None else None
+    if problem:
+        raise FolderLost(problem)
+
 
 def write_atomically(path, write, mode="wb", **open_args):
     """`write(f)` fills a temporary file beside `path` (opened with `mode` and `open_args`),
@@ -17,6 +39,7 @@ def write_atomically(path, write, mode="wb", **open_args):
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        fenced()  # the folder may have been taken over while this was written
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .checkpoint import Checkpointer, resume_position
 from .contract import count_samples, data_state, model_inputs, model_near_misses, to_device
 from .data import build_loaders, global_batch_size, mix_seed, seed_everything, start_epoch
-from .dist import Agreement, set_tf32
+from .dist import Agreement, agree, set_tf32
 from .evaluation import TextSamples, Validator
 from .faults import Preempted, StepChecks, StopRequest, Watchdog
 from .flops import build_throughput
@@ -291,7 +291,8 @@ class Trainer:
         metrics.update(self.evaluate(), **timing)
         metrics["model_state_mb"] = model_state_bytes(self.model, self.optimizer) / 2**20  # rank 0's share
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
-        self.meter.write_line(metrics, self.samples_seen)
+        # Stops every rank if the output folder was taken over (rank 0's fence: folder_claim).
+        agree(self.ctx, "metrics_line", self.meter.write_line(metrics, self.samples_seen), self.cfg.timeout_seconds)
         self.last_evaluated = self.step
         # The loss sums restart after each line (and carry over in a checkpoint).
         self.loss_totals.zero_()

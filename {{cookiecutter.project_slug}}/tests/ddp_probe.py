@@ -168,6 +168,14 @@ def slow_until_released():
     change_training_loss(wait)
 
 
+def fast_claim():
+    """The folder claim renewed every 0.5 s and stale after 3 s (not 10 and 120 s): a test can
+    stall a run past the staleness, and another job take its folder over, in seconds."""
+    from ddp_utils import folder_claim
+
+    folder_claim.BEAT_SECONDS, folder_claim.STALE_SECONDS = 0.5, 3
+
+
 def slow_until_stopped():
     """Sleep 200 ms in each training micro-step until this process gets a stop signal (SIGTERM,
     SIGUSR1), on a first attempt only (not after torchrun's restart or SLURM's requeue): a run
@@ -577,7 +585,7 @@ PROBES = {
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_until_released)
-    + (slow_checkpoint_write,)
+    + (slow_checkpoint_write, fast_claim)
     + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
     + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads, item_in_forward)
 }
