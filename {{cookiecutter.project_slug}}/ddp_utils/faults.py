@@ -30,6 +30,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read, or ranks that waited too long for one."""
 
 
+class RankGone(RuntimeError):
+    """Another rank died while this one waited for it in the store (dist.Heartbeats)."""
+
+
 class Preempted(Exception):
     def __init__(self, signum):
         super().__init__(signal.Signals(signum).name)
@@ -260,7 +264,9 @@ class ExitPath:
                        trainer.step)  # fmt: skip
                 write_stop_status(self.code)
             elif isinstance(error, Exception):
-                if is_collective_timeout(error):
+                if isinstance(error, RankGone):  # the root cause is the other rank's: one line
+                    log.error("%s", error)
+                elif is_collective_timeout(error):
                     log.error(
                         "rank %d: a collective timed out after --timeout_seconds %d during %s: another rank stalled "
                         "or died (see the ranks' stacks above)",

@@ -208,6 +208,26 @@ def slow_checkpoint_write():
     torch.save = save
 
 
+def slow_second_save():
+    """On the first attempt only (not after torchrun's restart), rank 0 takes 60 s over its
+    second checkpoint write, printing a line as it starts (the first is complete: there is one
+    to resume from): the other rank waits for it at the checkpoint's barrier meanwhile, when a
+    test kills a rank."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
+        return
+    original, writes = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        if RANK == 0 and str(getattr(f, "name", "")).endswith(".pt.tmp"):
+            writes.append(1)
+            if len(writes) == 2:
+                print("PROBE second checkpoint write started", flush=True)
+                time.sleep(60)
+        return original(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
 def stop_on_rank1():
     """Rank 1 alone sees a stop request (as from SIGTERM) after its 3rd micro-step."""
     original = trainer.Trainer.train_step
@@ -585,7 +605,7 @@ PROBES = {
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_until_released)
-    + (slow_checkpoint_write, fast_claim)
+    + (slow_checkpoint_write, fast_claim, slow_second_save)
     + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
     + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads, item_in_forward)
 }
