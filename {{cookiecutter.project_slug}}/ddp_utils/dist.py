@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .faults import CheckpointError, RankGone, TrainingError
+from .faults import FAILED_KEY, CheckpointError, RankGone, TrainingError, exit_now
 from .knobs import print_from_first
 
 
@@ -350,7 +350,9 @@ WAIT_SLICE_SECONDS = 1.0  # a rank waiting in the store looks at the heartbeats 
 class Heartbeats:
     """Every rank's heartbeat in the store: a counter its own thread raises every BEAT_SECONDS,
     through a clone of the store (a client of its own: a wait on the main thread does not hold
-    it up), whatever the rank is doing (torch.save and DCP's writes let the thread run). A rank
+    it up), whatever the rank is doing (torch.save and DCP's writes let the thread run). The
+    thread also ends the process when another rank has stopped the job alone (faults.FAILED_KEY,
+    set by a rank out of memory), wherever this one waits for it. A rank
     waiting in the store asks `gone()`: the ranks whose counter has not moved for GONE_SECONDS
     on its own clock (no two hosts' clocks are compared)."""
 
@@ -368,8 +370,11 @@ class Heartbeats:
             count += 1
             try:
                 store.set(self.keys[self.rank], str(count))
+                failed = store.check([FAILED_KEY])
             except Exception:  # the store is gone: the job is ending
                 return
+            if failed:  # another rank stopped the job, and said why (faults.OutOfMemory): leave now
+                exit_now(1)
 
     def gone(self):
         """The other ranks whose heartbeat has stopped (checked from a waiting rank)."""

@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .dist import share_from_main
+from .faults import at_exit_now, not_at_exit_now
 from .files import fence
 from .knobs import InputError
 from .logs import log, stop_file_logging
@@ -97,6 +98,7 @@ class Claim:
         self._stop = threading.Event()
         if path is not None:
             fence(self.check)
+            at_exit_now(self.release)  # a run that stops at once (out of memory) lets go of the folder too
             threading.Thread(target=self._beat, name="folder-claim", daemon=True).start()
 
     @classmethod
@@ -166,6 +168,7 @@ class Claim:
             return
         self._stop.set()
         fence(None)
+        not_at_exit_now(self.release)
         try:
             holder = read_claim(self.path)
             if holder is not None and holder.get("token") == self.owner["token"]:

@@ -228,6 +228,78 @@ def slow_second_save():
     torch.save = save
 
 
+def out_of_memory():
+    """Raise torch's own OutOfMemoryError on rank $OOM_RANK in optimizer step $OOM_STEP (the
+    first of the run when 0), in phase $OOM_PHASE: forward, backward, optimizer (its step),
+    evaluation (the metrics line after that step) or compile (the first call of what
+    torch.compile returned). Prints each training call of the phase as it passes."""
+    phase, rank, at_step = os.environ["OOM_PHASE"], int(os.environ["OOM_RANK"]), int(os.environ["OOM_STEP"])
+    steps = []  # optimizer steps done on this rank
+
+    def fail(where):
+        if RANK == rank and len(steps) + 1 >= at_step and phase == where:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (probe, {where})")
+
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, loss):
+            return loss.view_as(loss)
+
+        @staticmethod
+        def backward(ctx, grad):
+            fail("backward")
+            return grad
+
+    def loss_wrapper(original):
+        def loss_fn(output, batch):
+            loss = original(output, batch)
+            if training_call(loss):
+                fail("forward")
+                return Fail.apply(loss)
+            if loss.device.type != "meta" and len(steps) + 1 > at_step:  # the evaluation after the step
+                fail("evaluation")
+            return loss
+
+        return loss_fn
+
+    wrap_loss(loss_wrapper)
+    if phase == "evaluation":  # the task's evaluation sums, not its loss, may be what evaluation calls
+        original_sums = task.TASK.evaluation_sums
+
+        def evaluation_sums(output, batch):
+            if len(steps) + 1 > at_step:
+                fail("evaluation")
+            return original_sums(output, batch)
+
+        change_task(evaluation_sums=evaluation_sums)
+    build = trainer.build_optimizer
+
+    def build_optimizer(*args, **kwargs):
+        optimizer = build(*args, **kwargs)
+        step = optimizer.step
+
+        def counted_step(*step_args, **step_kwargs):
+            fail("optimizer")
+            result = step(*step_args, **step_kwargs)
+            steps.append(1)
+            return result
+
+        optimizer.step = counted_step
+        return optimizer
+
+    trainer.build_optimizer = build_optimizer
+    if phase == "compile":
+
+        def compile(model, *args, **kwargs):
+            def first_call(*call_args, **call_kwargs):
+                fail("compile")
+                return model(*call_args, **call_kwargs)
+
+            return first_call
+
+        trainer.torch.compile = compile
+
+
 def stop_on_rank1():
     """Rank 1 alone sees a stop request (as from SIGTERM) after its 3rd micro-step."""
     original = trainer.Trainer.train_step
@@ -605,7 +677,7 @@ PROBES = {
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_until_released)
-    + (slow_checkpoint_write, fast_claim, slow_second_save)
+    + (slow_checkpoint_write, fast_claim, slow_second_save, out_of_memory)
     + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
     + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads, item_in_forward)
 }
