@@ -350,11 +350,11 @@ WAIT_SLICE_SECONDS = 1.0  # a rank waiting in the store looks at the heartbeats 
 class Heartbeats:
     """Every rank's heartbeat in the store: a counter its own thread raises every BEAT_SECONDS,
     through a clone of the store (a client of its own: a wait on the main thread does not hold
-    it up), whatever the rank is doing (torch.save and DCP's writes let the thread run). The
-    thread also ends the process when another rank has stopped the job alone (faults.FAILED_KEY,
-    set by a rank out of memory), wherever this one waits for it. A rank
+    it up), whatever the rank is doing (torch.save and DCP's writes let the thread run). A rank
     waiting in the store asks `gone()`: the ranks whose counter has not moved for GONE_SECONDS
-    on its own clock (no two hosts' clocks are compared)."""
+    on its own clock (no two hosts' clocks are compared). The thread also ends the process when
+    another rank has stopped the job alone and said why (faults.FAILED_KEY, set by a rank out of
+    memory), wherever this one waits for it."""
 
     def __init__(self, store, rank, world_size):
         self.store, self.rank = store, rank
@@ -414,10 +414,10 @@ def stop_heartbeats():
 
 
 def wait_in_store(ctx, keys, timeout_seconds, timed_out):
-    """Wait until `keys` are set in the store, looking every few milliseconds at first, every
-    WAIT_SLICE_SECONDS at most; meanwhile a rank whose heartbeat stopped raises RankGone, and
-    past `timeout_seconds`, `timed_out()` is raised. (The store's own wait with a short limit
-    would do, but c10d logs two warnings each time one ends without the keys.)"""
+    """Wait until `keys` are set in the store, looking every few milliseconds at first, then
+    every quarter second; every WAIT_SLICE_SECONDS a rank whose heartbeat stopped raises
+    RankGone, and past `timeout_seconds`, `timed_out()` is raised. (Not the store's own wait in
+    short slices: c10d logs two warnings each time one ends without the keys.)"""
     deadline = time.monotonic() + timeout_seconds
     pause, watched = 0.001, time.monotonic()
     while not ctx.store.check(keys):
