@@ -18,7 +18,7 @@ import torch
 from .checkpoint_space import SPACE_ERRNOS, first_line, one_file_bytes, save_failure, sharded_bytes, tensor_bytes
 from .dist import store_barrier
 from .faults import CheckpointError
-from .files import FolderLost, fenced, replace_folder, write_atomically
+from .files import FolderLost, fenced, remove_leftovers, replace_folder, write_atomically
 from .logs import rank_zero_only, warn_main
 
 
@@ -54,6 +54,7 @@ def _write_checkpoint(state, checkpoint_dir, step, keep):
             fenced()
             for old in sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]:
                 old.unlink()
+        remove_leftovers(checkpoint_dir)  # a save killed half-way, by this run or an earlier one
         _fsync_dir(checkpoint_dir)
     except FolderLost as lost:  # the new owner's files are left as they are
         return str(lost)
