@@ -92,8 +92,8 @@ MUTANTS = [
         "non_atomic_save",
         "checkpoints written in place",
         "ddp_utils/files.py",
-        '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(tmp, mode, **open_args) as f:',
-        '    tmp = path.with_name(f".{path.name}.tmp")\n    try:\n        with open(path, mode, **open_args) as f:',
+        '    tmp = path.with_name(f".{WRITER}.{path.name}.tmp")\n    try:\n        with open(tmp, mode, **open_args) as f:',
+        '    tmp = path.with_name(f".{WRITER}.{path.name}.tmp")\n    try:\n        with open(path, mode, **open_args) as f:',
         (f"{RESILIENCE}::test_a_crash_during_any_checkpoint_write_loses_nothing",),
     ),
     Mutant(
