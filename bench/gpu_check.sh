@@ -81,6 +81,9 @@
 #   5 (diagnosis). the preflight's timing of the same MLP step done again in one process, as it
 #      does it, then with 10x the warm-up and the sample, then on batches already on the GPU:
 #      which of them moves the prediction to the measured step.
+#  22. a real CUDA out-of-memory (check 6's GPT at --batch_size 1024: hundreds of GB of
+#      activations): the run stops with one line naming the rank, step 1, the phase, the GPU's
+#      memory in use and total and the knobs; no worker traceback; the folder claim let go of.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 self="$here/gpu_check.sh"
@@ -105,6 +108,7 @@ plan_table() {
 11  2a  40   120  SyncBatchNorm kernels; the vision task on the GPU
 12  2b  230  300  compile + activation checkpointing, ddp and fsdp
 20  3a  100  220  --optimizer muon on the GPU: GPT 6x512 bf16, AdamW against Muon (ddp, fsdp)
+22  3a  30   90   a real CUDA out of memory (GPT 12x768, batch 1024): one line, the claim let go of
 6   4a  110  200  GPT 12x768 64x1024 bf16 compile, ddp: steady tokens/s, MFU
 7   4a  150  240  GPT 12x768 64x1024 bf16 per-block compile, fsdp, async DCP, export
 21  4a  50   120  Muon's step on the GPT 12x768 64x1024 against AdamW's
@@ -804,6 +808,28 @@ PY
     done
 }
 
+check_22() {
+    # A batch far beyond the GPU (check 6's GPT, 1024 sequences of 1024 tokens a step): torch's
+    # OutOfMemoryError in the first step, turned into ddp_utils/out_of_memory.py's one line.
+    local log=$runs/oom.log line
+    if (cd "$language" && timeout -k 5 "$(left)" "${torchrun1[@]}" train.py "${GPT_MODEL[@]}" --batch_size 1024 \
+        --max_steps 1 --output_dir "$runs/oom" >"$log" 2>&1); then
+        check "--batch_size 1024 on the GPT runs out of memory" "it trained: the GPU holds it; raise --batch_size"
+        return
+    fi
+    line=$(grep -m1 'ran out of CUDA memory' "$log" || true)
+    if [[ -z $line ]]; then
+        check "out of memory named in one line" "no such line: $(grep -m1 -E 'Error|error:' "$log" || tail_text "$log")"
+    elif [[ $(grep -c 'ran out of CUDA memory' "$log") -ne 1 || $line != *"GiB free of the GPU's"* \
+        || $line != *"--grad_accum_steps"* ]] || grep -q 'OutOfMemoryError' "$log"; then
+        check "out of memory named in one line" "$(echo "$line" | cut -c1-400); $(grep -c Traceback "$log") tracebacks"
+    elif [[ -e $runs/oom/.owner.json ]]; then
+        check "out of memory named in one line" "the folder claim was kept: $line"
+    else
+        check "out of memory named in one line" "ok ($(echo "$line" | sed 's/^.*ERROR //' | cut -c1-400))"
+    fi
+}
+
 check_16() {
     # The first: FSDP2 meshed on the run's GPU. The second: torch's accelerator is cuda, the run
     # is told --device cpu: FSDP2's mesh must be on the CPU (gloo), not on torch's default.
@@ -1010,7 +1036,7 @@ row "| 0. the GPU and its MFU peak | $gpu | $(( $(date +%s) - started_all )) |"
 # The data: made here (--bake), else written now.
 text=$baked/data/text digits=$baked/data/digits
 needs() { local n; for n in "$@"; do [[ " $selected " == *" $n "* ]] && return 0; done; return 1; }
-if [[ ! -f $text/train.bin ]] && needs 6 7 10 12 14 15 18; then
+if [[ ! -f $text/train.bin ]] && needs 6 7 10 12 14 15 18 20 21; then
     text=$runs/text
     (cd "$language" && "$python" prepare_data.py --output_dir "$text" --max_bytes 4000000 >"$runs/prepare.log" 2>&1) ||
         echo "gpu_check.sh: the language task's text could not be written: $runs/prepare.log" >&2

@@ -145,7 +145,15 @@ GENERATED_TEST_MODULES.remove("cluster/test_skypilot.py")  # skypilot=no here: t
 # ones (each run starts Python, torch and the test data afresh), and those that share a session
 # fixture's training runs (a run of its own would make them again).
 TOGETHER = [
-    ["test_config.py", "test_data.py", "test_diagnosis.py", "test_doctor.py", "test_inference.py", "test_schedule.py"],
+    [
+        "test_config.py",
+        "test_data.py",
+        "test_diagnosis.py",
+        "test_doctor.py",
+        "test_inference.py",
+        "test_schedule.py",
+        "test_out_of_memory.py",
+    ],
     ["test_preemption.py", "test_resilience.py"],  # the uninterrupted `reference` runs
     ["cluster/test_multinode.py", "test_experiments.py"],  # `one_node_run`
 ]

@@ -25,6 +25,7 @@ module has one job, on one floor; a module imports only from the modules listed 
     evaluation.py    the Validator (the task's metrics over the whole validation set) and
                      TextSamples (--sample_every_steps)
     metrics.py       the Meter and Reporter: metrics.jsonl, progress, step timing, loss lines
+    out_of_memory.py out of GPU memory, named: the rank, step, phase, memory, the doctor's plan, the knobs
     flops.py         MFU: a sample's FLOPs and the GPU's peak
     strategy.py      --strategy ddp or fsdp: building, wrapping and sharding the model
     profiling.py     --profile_steps

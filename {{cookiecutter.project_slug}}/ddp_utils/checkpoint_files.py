@@ -18,7 +18,7 @@ import torch
 from .checkpoint_space import SPACE_ERRNOS, first_line, one_file_bytes, save_failure, sharded_bytes, tensor_bytes
 from .dist import store_barrier
 from .faults import CheckpointError
-from .files import replace_folder, write_atomically
+from .files import FolderLost, fenced, remove_leftovers, replace_folder, write_atomically
 from .logs import rank_zero_only, warn_main
 
 
@@ -38,7 +38,10 @@ def save_checkpoint(ctx, state, checkpoint_dir, step, keep, timeout_seconds):
 
 @rank_zero_only
 def _write_checkpoint(state, checkpoint_dir, step, keep):
+    """Each step that changes what the folder holds (the file in place, `last.pt`, pruning) is
+    fenced: a run whose folder was taken over stops before it, its own temporary file removed."""
     try:
+        fenced()
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         last = checkpoint_dir / "last.pt"
         if keep == 0:
@@ -48,9 +51,13 @@ def _write_checkpoint(state, checkpoint_dir, step, keep):
             _atomic_save(state, numbered)
             # last.pt is a second name for the same file: no second write, still atomic.
             _atomic_link(numbered, last, state)
+            fenced()
             for old in sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]:
                 old.unlink()
+        remove_leftovers(checkpoint_dir)  # a save killed half-way, by this run or an earlier one
         _fsync_dir(checkpoint_dir)
+    except FolderLost as lost:  # the new owner's files are left as they are
+        return str(lost)
     except Exception as error:  # OSError, or torch.save's RuntimeError when the disk fills mid-write
         # The temporary file is gone (write_atomically): the free space is what the save found.
         return save_failure(checkpoint_dir, step, error, one_file_bytes(tensor_bytes(state)), keep)
@@ -72,6 +79,7 @@ def _atomic_link(target, path, state):
         _atomic_save(state, path)
     else:
         try:
+            fenced()
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -232,9 +240,12 @@ def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, k
 @rank_zero_only
 def _prepare_sharded(tmp, trainer_state, step, size, keep):
     try:
+        fenced()  # before anything is removed or written: no rank writes a shard otherwise
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way
         tmp.mkdir(parents=True)
         _atomic_save(trainer_state, tmp / "trainer.pt")
+    except FolderLost as lost:
+        return str(lost)
     except Exception as error:
         shutil.rmtree(tmp, ignore_errors=True)
         return save_failure(tmp.parent, step, error, size, keep)
@@ -258,6 +269,7 @@ def _publish_sharded(tmp, final, keep, size):
     `last` and the step folders are complete checkpoints."""
     try:
         _fsync_dir(tmp)
+        fenced()  # a folder taken over meanwhile: this run's shards are removed, nothing of the new owner's touched
         # The same step may be saved again (a run resumed from an older one).
         replace_folder(tmp, final)
         link = final.parent / ".last.link"
@@ -267,8 +279,12 @@ def _publish_sharded(tmp, final, keep, size):
         _fsync_dir(final.parent)
         # The newest `keep` step folders stay (at least the one `last` names), never this one.
         others = sorted(p for p in final.parent.glob("step_*") if p.is_dir() and p != final)
+        fenced()
         for old in others[: len(others) - max(keep - 1, 0)]:
             shutil.rmtree(old)
+    except FolderLost as lost:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return str(lost)
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)  # not yet in place: never a checkpoint
         return save_failure(final.parent, _step(final), error, size, keep)

@@ -23,7 +23,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .contract import resolved
-from .files import write_atomically
+from .files import FolderLost, write_atomically
 from .knobs import ConfigError, OneLineParser, exit_with_error
 from .trackers import TRACKERS
 
@@ -264,6 +264,8 @@ def write_resolved_config(cfg, output_dir):
     path = Path(output_dir) / "config.toml"
     try:
         write_atomically(path, lambda f: f.write(cfg.to_toml().encode()))
+    except FolderLost as lost:
+        return str(lost)
     except (OSError, UnicodeError) as error:
         return f"could not write {path}: {error}"
     return None

@@ -5,7 +5,10 @@ each other.
   `python train.py` runs the same code path as many processes; `cleanup_distributed` ends it.
 - `Agreement` sums flags and values over every rank in one all-reduce the host does not wait for.
 - `store_barrier` and `share_from_main` wait through the key-value store, for waits that the
-  collective timeout must not bound (a large checkpoint on a slow file system).
+  collective timeout must not bound (a large checkpoint on a slow file system). They wait in
+  slices and watch every rank's heartbeat in the store (`Heartbeats`): a rank that died (a
+  SIGKILL, a lost node) stops the waiting ranks within seconds, so torchrun's restart starts
+  then, not when the wait's limit or torchrun's kill after its stop signal comes.
 """
 
 import collections
@@ -14,6 +17,8 @@ import json
 import os
 import socket
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .faults import CheckpointError, TrainingError
+from .faults import FAILED_KEY, CheckpointError, RankGone, TrainingError, exit_now
 from .knobs import print_from_first
 
 
@@ -212,6 +217,8 @@ def setup_distributed(timeout_seconds=600, trace_dir=None, device="auto"):
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
+    if world_size > 1:
+        start_heartbeats(store, rank, world_size)
     return DistContext(rank, local_rank, world_size, device, store, processes_per_node())
 
 
@@ -259,6 +266,7 @@ def job_port(job_id):
 
 
 def cleanup_distributed():
+    stop_heartbeats()
     if dist.is_initialized():
         # DDP's reducer sits in reference cycles that keep the process group alive past
         # destroy_process_group; freed only at interpreter exit, gloo's worker threads then
@@ -334,6 +342,100 @@ def any_rank(*flags, device):
     return [total > 0 for total in Agreement(flags, device).result()]
 
 
+BEAT_SECONDS = 1.0  # each rank raises its heartbeat counter in the store this often
+GONE_SECONDS = 6.0  # a rank whose counter has not moved for this long, as a waiting rank sees it, is gone
+WAIT_SLICE_SECONDS = 1.0  # a rank waiting in the store looks at the heartbeats this often
+
+
+class Heartbeats:
+    """Every rank's heartbeat in the store: a counter its own thread raises every BEAT_SECONDS,
+    through a clone of the store (a client of its own: a wait on the main thread does not hold
+    it up), whatever the rank is doing (torch.save and DCP's writes let the thread run). A rank
+    waiting in the store asks `gone()`: the ranks whose counter has not moved for GONE_SECONDS
+    on its own clock (no two hosts' clocks are compared). The thread also ends the process when
+    another rank has stopped the job alone and said why (faults.FAILED_KEY, set by a rank out of
+    memory), wherever this one waits for it."""
+
+    def __init__(self, store, rank, world_size):
+        self.store, self.rank = store, rank
+        self.keys = [f"heartbeat/{other}" for other in range(world_size)]
+        self.seen = {}  # rank: (its counter, when this rank saw it change)
+        self._stop = threading.Event()
+        store.set(self.keys[rank], "0")
+        threading.Thread(target=self._beat, args=(store.clone(),), name="heartbeat", daemon=True).start()
+
+    def _beat(self, store):
+        count = 0
+        while not self._stop.wait(BEAT_SECONDS):
+            count += 1
+            try:
+                store.set(self.keys[self.rank], str(count))
+                failed = store.check([FAILED_KEY])
+            except Exception:  # the store is gone: the job is ending
+                return
+            if failed:  # another rank stopped the job, and said why (faults.OutOfMemory): leave now
+                exit_now(1)
+
+    def gone(self):
+        """The other ranks whose heartbeat has stopped (checked from a waiting rank)."""
+        now = time.monotonic()
+        others = [rank for rank in range(len(self.keys)) if rank != self.rank]
+        keys = [self.keys[rank] for rank in others]
+        if self.store.check(keys):
+            values = self.store.multi_get(keys)
+        else:  # a rank that has not started its heartbeat yet counts from now
+            values = [self.store.get(key) if self.store.check([key]) else b"" for key in keys]
+        stopped = []
+        for rank, value in zip(others, values, strict=True):
+            last = self.seen.get(rank)
+            if last is None or last[0] != value:
+                self.seen[rank] = (value, now)
+            elif now - last[1] > GONE_SECONDS:
+                stopped.append(rank)
+        return stopped
+
+    def stop(self):
+        self._stop.set()
+
+
+_heartbeats = None  # this process's (setup_distributed, with more than one rank)
+
+
+def start_heartbeats(store, rank, world_size):
+    global _heartbeats
+    _heartbeats = Heartbeats(store, rank, world_size)
+
+
+def stop_heartbeats():
+    global _heartbeats
+    if _heartbeats is not None:
+        _heartbeats.stop()
+        _heartbeats = None
+
+
+def wait_in_store(ctx, keys, timeout_seconds, timed_out):
+    """Wait until `keys` are set in the store, looking every few milliseconds at first, then
+    every quarter second; every WAIT_SLICE_SECONDS a rank whose heartbeat stopped raises
+    RankGone, and past `timeout_seconds`, `timed_out()` is raised. (Not the store's own wait in
+    short slices: c10d logs two warnings each time one ends without the keys.)"""
+    deadline = time.monotonic() + timeout_seconds
+    pause, watched = 0.001, time.monotonic()
+    while not ctx.store.check(keys):
+        now = time.monotonic()
+        if now >= deadline:
+            raise timed_out()
+        if _heartbeats is not None and now - watched >= WAIT_SLICE_SECONDS:
+            watched, gone = now, _heartbeats.gone()
+            if gone:
+                raise RankGone(
+                    f"rank {ctx.rank}: rank {', '.join(map(str, gone))} stopped answering (no heartbeat in the store "
+                    f"for {GONE_SECONDS:.0f} s) while this rank waited for it; exiting so that the launcher restarts "
+                    "the job"
+                )
+        time.sleep(min(pause, deadline - now))
+        pause = min(2 * pause, WAIT_SLICE_SECONDS / 4)
+
+
 _barrier_uses = collections.Counter()  # per name: each use waits for its own arrivals
 
 
@@ -352,13 +454,10 @@ def store_barrier(ctx, name, error=None, timeout_seconds=1800, knob="--checkpoin
         ctx.store.set(f"{key}/error", error)
     if ctx.store.add(f"{key}/arrived", 1) == ctx.world_size:
         ctx.store.set(f"{key}/all", "1")
-    try:
-        ctx.store.wait([f"{key}/all"], timedelta(seconds=timeout_seconds))
-    except (dist.DistError, RuntimeError) as failure:  # the store's wait timed out
-        raise CheckpointError(
-            f"rank {ctx.rank} waited more than {timeout_seconds} s for the other ranks at {name} "
-            f"({type(failure).__name__}); raise {knob} if they are slow, not stuck"
-        ) from None
+    wait_in_store(ctx, [f"{key}/all"], timeout_seconds, lambda: CheckpointError(
+        f"rank {ctx.rank} waited more than {timeout_seconds} s for the other ranks at {name}; raise {knob} if "
+        "they are slow, not stuck"
+    ))  # fmt: skip
     if ctx.store.check([f"{key}/error"]):
         return ctx.store.get(f"{key}/error").decode()
     return None
@@ -380,11 +479,8 @@ def share_from_main(ctx, name, value, timeout_seconds):
     if ctx.is_main:
         ctx.store.set(key, json.dumps(value))
     else:
-        try:
-            ctx.store.wait([key], timedelta(seconds=timeout_seconds))
-        except (dist.DistError, RuntimeError) as failure:
-            raise CheckpointError(
-                f"rank {ctx.rank} waited more than {timeout_seconds} s for rank 0 at {name} "
-                f"({type(failure).__name__}); raise --checkpoint_timeout_seconds if the file system is slow"
-            ) from None
+        wait_in_store(ctx, [key], timeout_seconds, lambda: CheckpointError(
+            f"rank {ctx.rank} waited more than {timeout_seconds} s for rank 0 at {name}; raise "
+            "--checkpoint_timeout_seconds if the file system is slow"
+        ))  # fmt: skip
     return json.loads(ctx.store.get(key))

@@ -87,6 +87,7 @@ from .doctor_numerics import float64_fix
 from .doctor_processes import processes_check
 from .files import write_atomically
 from .knobs import InputError, OneLineParser, print_error
+from .out_of_memory import plan_settings
 
 NODES, GPUS_PER_NODE = {{ cookiecutter.num_nodes | int }}, {{ cookiecutter.gpus_per_node | int }}  # the job's size
 SAMPLES = 4  # the activations, 1 vs 2 processes and the resume on this many training samples
@@ -203,7 +204,8 @@ def main(task, argv=None):
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = {"checks": rows, "memory_bytes_per_gpu": plans, "checkpoint_bytes_per_rank": checkpoints,
-              "gpu_memory_gb": own.gpu_memory_gb, "world_size": own.nodes * own.gpus_per_node}  # fmt: skip
+              "gpu_memory_gb": own.gpu_memory_gb, "world_size": own.nodes * own.gpus_per_node,
+              "settings": plan_settings(cfg)}  # fmt: skip
     # Never a half-written report.
     write_atomically(out / "doctor.json", lambda f: f.write(json.dumps(report, indent=2) + "\n"), "w")
     print(f"\nwritten to {out / 'doctor.json'}")

@@ -30,6 +30,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read, or ranks that waited too long for one."""
 
 
+class RankGone(RuntimeError):
+    """Another rank died while this one waited for it in the store (dist.Heartbeats)."""
+
+
+class OutOfMemory(RuntimeError):
+    """This rank ran out of GPU memory (out_of_memory.MemoryGuard): the line that names it."""
+
+
+FAILED_KEY = "failed"  # in the store: set by a rank that stops the job alone (OutOfMemory)
+
+
 class Preempted(Exception):
     def __init__(self, signum):
         super().__init__(signal.Signals(signum).name)
@@ -131,9 +142,25 @@ def is_collective_timeout(error):
     return isinstance(error, RuntimeError) and COLLECTIVE_TIMEOUT.search(str(error)) is not None
 
 
+_exit_hooks = []  # quick, local clean-ups before exit_now (the folder claim let go of)
+
+
+def at_exit_now(hook):
+    """Run `hook()` when this process exits at once (exit_now), until `not_at_exit_now(hook)`."""
+    _exit_hooks.append(hook)
+
+
+def not_at_exit_now(hook):
+    if hook in _exit_hooks:
+        _exit_hooks.remove(hook)
+
+
 def exit_now(code):
     """Exit at once, the logs flushed, without destroying the process group: after an error a
     peer may be gone, and waiting for it would hide nothing but could block forever."""
+    for hook in list(_exit_hooks):
+        with contextlib.suppress(Exception):
+            hook()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -213,6 +240,14 @@ class StepChecks:
         return stops > 0
 
 
+def another_rank_failed(store):
+    """Whether a rank has stopped the job alone and said why (FAILED_KEY)."""
+    try:
+        return store is not None and store.check([FAILED_KEY])
+    except Exception:  # the store is gone too
+        return False
+
+
 class ExitPath:
     """How a run ends, as an exit code, whatever it raised; `trainer` (set once built) is closed
     on every path. Around the run in run.py:
@@ -259,8 +294,20 @@ class ExitPath:
                 report("stopped by %s at step %d; checkpoint saved, run the same command to resume", error,
                        trainer.step)  # fmt: skip
                 write_stop_status(self.code)
+            elif isinstance(error, OutOfMemory):
+                # The first rank out of memory says so; the others leave without a word (each
+                # rank's heartbeat thread watches the key: dist.Heartbeats).
+                if self.ctx.store is None or self.ctx.store.add(FAILED_KEY + "/count", 1) == 1:
+                    log.error("%s", error)
+                if self.ctx.store is not None:
+                    self.ctx.store.set(FAILED_KEY, str(error))
+                status = "crashed"
             elif isinstance(error, Exception):
-                if is_collective_timeout(error):
+                if another_rank_failed(self.ctx.store):
+                    pass  # this rank's error follows from it (a peer gone mid-collective): its line says why
+                elif isinstance(error, RankGone):  # the root cause is the other rank's: one line
+                    log.error("%s", error)
+                elif is_collective_timeout(error):
                     log.error(
                         "rank %d: a collective timed out after --timeout_seconds %d during %s: another rank stalled "
                         "or died (see the ranks' stacks above)",

@@ -14,6 +14,12 @@ go of it when it ends. Another start into a claimed folder:
   requeue, a replacement pod), until the owner lets go or is gone, at most STALE_SECONDS plus
   the stop notice; it is refused if the owner still holds the folder then;
 - is refused at once otherwise: one line naming the owner (host, process, start time, job).
+
+A run whose claim was taken over (it stalled past STALE_SECONDS: a paused VM, a stopped
+process, a host cut off from the file system) writes nothing more there: the claim's token is
+the fence (files.fenced) that every write another run could lose checks first (a checkpoint
+and `last` published, pruning, metrics lines, the resolved config), and the run stops on every
+rank with one line naming the new owner.
 docs/checkpoints.md (One run per folder) has the rules for each launcher.
 """
 
@@ -27,8 +33,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .dist import share_from_main
+from .faults import at_exit_now, not_at_exit_now
+from .files import fence
 from .knobs import InputError
-from .logs import log
+from .logs import log, stop_file_logging
 
 CLAIM_FILE = ".owner.json"
 BEAT_SECONDS = 10  # how often the owner renews its claim
@@ -86,9 +94,11 @@ class Claim:
 
     def __init__(self, path, owner, note=None):
         self.path, self.owner, self.note = path, owner, note
-        self.lost = None  # why the claim is no longer this run's (taken over while this run was stalled)
+        self.lost = None  # who took the claim over while this run was stalled (describe), once seen
         self._stop = threading.Event()
         if path is not None:
+            fence(self.check)
+            at_exit_now(self.release)  # a run that stops at once (out of memory) lets go of the folder too
             threading.Thread(target=self._beat, name="folder-claim", daemon=True).start()
 
     @classmethod
@@ -124,21 +134,41 @@ class Claim:
     def _beat(self):
         while not self._stop.wait(BEAT_SECONDS):
             try:
-                holder = read_claim(self.path)
-                if holder is None or holder.get("token") != self.owner["token"]:
-                    self.lost = f"{self.path} was taken over by {describe(holder) if holder else 'another run'}"
-                    log.error("this run no longer owns its output folder: %s (was this process stalled for "
-                              "over %d s?); stop one of the two runs", self.lost, STALE_SECONDS)  # fmt: skip
+                if self._taken_over():  # the next fenced write stops the run
                     return
                 os.utime(self.path)
             except OSError:  # a file system hiccup: the next beat tries again
                 continue
+
+    def _taken_over(self):
+        """Whether another run holds the claim now (read from the file: one small read)."""
+        if self.lost is None:
+            holder = read_claim(self.path)
+            if holder is None or holder.get("token") != self.owner["token"]:
+                self.lost = describe(holder) if holder else "another run (the claim is gone)"
+        return self.lost is not None
+
+    def check(self):
+        """The fence (files.fenced): None while the claim is this run's, else the line that
+        stops the run. From then on train.log, the new owner's file now, gets no more lines."""
+        try:
+            if not self._taken_over():
+                return None
+        except OSError:  # unreadable for a moment: the write itself says what is wrong
+            return None
+        stop_file_logging()
+        return (
+            f"this run no longer owns --output_dir {self.path.parent}: it was taken over by {self.lost} while this "
+            f"run was stalled (its claim not renewed for over {STALE_SECONDS} s); stopped without writing there again"
+        )
 
     def release(self):
         """Let go of the folder (the run has ended); the claim of a run that took it over stays."""
         if self.path is None:
             return
         self._stop.set()
+        fence(None)
+        not_at_exit_now(self.release)
         try:
             holder = read_claim(self.path)
             if holder is not None and holder.get("token") == self.owner["token"]:

@@ -49,6 +49,13 @@ def setup_logging(ctx, output_dir):
     return log
 
 
+def stop_file_logging():
+    """Log to the console only from now on (the output folder is no longer this run's)."""
+    for handler in [h for h in log.handlers if isinstance(h, logging.FileHandler)]:
+        log.removeHandler(handler)
+        handler.close()
+
+
 @rank_zero_only
 def warn_main(message):
     log.warning(message)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .dist import HostCopy
+from .files import FolderLost, fenced
 from .logs import log, rank_zero_only, report
 from .trackers import open_trackers
 
@@ -266,11 +267,15 @@ class Meter:
 
     def write_line(self, metrics, samples):
         """One metrics line (metrics.jsonl, the trackers, the log), with tokens/s and MFU; the
-        next period starts."""
+        next period starts. Returns rank 0's line when the output folder is no longer this
+        run's (nothing written), for the trainer to stop every rank with."""
         metrics = {**metrics, **self.throughput.metrics(metrics["samples_per_s"])}
-        self.reporter.epoch_metrics(metrics)
+        lost = self.reporter.epoch_metrics(metrics)
+        if lost:
+            return lost
         report("%s", format_metrics(metrics))
         self.start_period(samples)
+        return None
 
 
 class Reporter:
@@ -313,10 +318,17 @@ class Reporter:
 
     @rank_zero_only
     def epoch_metrics(self, metrics):
+        """Append the metrics line; returns the line that stops the run when the output folder
+        is another run's now (files.fenced), or None."""
+        try:
+            fenced()
+        except FolderLost as lost:
+            return str(lost)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         numbers = {key: value for key, value in metrics.items() if isinstance(value, (int, float)) and key != "step"}
         self._track(numbers, metrics["step"])
+        return None
 
     @rank_zero_only
     def sample(self, step, text):

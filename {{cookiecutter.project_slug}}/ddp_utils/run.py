@@ -47,7 +47,7 @@ def run(cfg, ctx, task):
             open_trackers(trainer)
             trainer.train()
             trainer.checkpointer.wait()  # an asynchronous save complete before the exit
-    finally:  # not after a crash (ExitPath exits at once): a dead owner's claim is taken over
+    finally:  # after a crash ExitPath exits at once: faults.exit_now lets go of the claim (at_exit_now)
         claim.release()
     return ending.code
 

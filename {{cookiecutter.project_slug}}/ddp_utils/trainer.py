@@ -19,13 +19,14 @@ from .checkpoint import Checkpointer, resume_position
 from .collector import Collector
 from .contract import count_samples, data_state, model_inputs, model_near_misses, to_device
 from .data import build_loaders, global_batch_size, mix_seed, seed_everything, start_epoch
-from .dist import Agreement, set_tf32
+from .dist import Agreement, agree, set_tf32
 from .evaluation import TextSamples, Validator
 from .faults import Preempted, StepChecks, StopRequest, Watchdog
 from .flops import build_throughput
 from .logs import report, warn_main
 from .metrics import Meter, Reporter
 from .optim import build_optimizer, peak_lr
+from .out_of_memory import MemoryGuard
 from .precision import AMP_DTYPES, autocast, loss_scale
 from .profiling import StepProfiler
 from .schedule import Plan, lr_at
@@ -82,6 +83,7 @@ class Trainer:
         self.resumed = False  # from a checkpoint
         self.last_evaluated = None  # the step of the last metrics line
         self.checks = StepChecks(cfg, fp16=self.scaler.is_enabled())
+        self.memory = MemoryGuard(cfg, ctx)  # out of memory: one line that says where and what helps
         self.stop = StopRequest()
         # Fires a little before the collective timeout, so stacks are written before the job ends.
         self.watchdog = Watchdog(cfg.timeout_seconds, ctx.rank, self.stop)
@@ -229,13 +231,14 @@ class Trainer:
         all-reduced only when `sync` (the last micro-step of an optimizer step)."""
         batch = to_device(batch, self.ctx.device)
         with self.strategy.sync_gradients(sync):
-            with autocast(self.ctx.device, self.amp_dtype):
+            with self.memory.during("forward", self.step + 1), autocast(self.ctx.device, self.amp_dtype):
                 # DDP's long error about unused parameters, as the knob that fixes it.
                 with unused_parameters_named():
                     output = self.forward_model(model_inputs(batch))
                 loss = self.task.loss_fn(output, batch)
             accum = self.cfg.grad_accum_steps
-            self.scaler.scale(loss / accum if accum > 1 else loss).backward()
+            with self.memory.during("backward", self.step + 1):
+                self.scaler.scale(loss / accum if accum > 1 else loss).backward()
         loss = loss.detach()
         samples = count_samples(batch)
         self.loss_sum.add_(loss, alpha=samples)
@@ -263,7 +266,8 @@ class Trainer:
         # make the host wait for it, and nothing else here does (fused AdamW reads GradScaler's
         # found_inf on the device to skip an overflowed step).
         scale = loss_scale(self.scaler) if fp16 else None
-        self.scaler.step(self.optimizer)  # fp16: skipped when the gradients overflowed
+        with self.memory.during("optimizer step", self.step + 1):
+            self.scaler.step(self.optimizer)  # fp16: skipped when the gradients overflowed
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -296,7 +300,8 @@ class Trainer:
         metrics.update(self.evaluate(), **timing)
         metrics["model_state_mb"] = model_state_bytes(self.model, self.optimizer) / 2**20  # rank 0's share
         metrics.update(self.lrs)  # --lr's (AdamW's), and --muon_lr's under Muon
-        self.meter.write_line(metrics, self.samples_seen)
+        # Stops every rank if the output folder was taken over (rank 0's fence: folder_claim).
+        agree(self.ctx, "metrics_line", self.meter.write_line(metrics, self.samples_seen), self.cfg.timeout_seconds)
         self.collector.collect()
         self.last_evaluated = self.step
         # The loss sums restart after each line (and carry over in a checkpoint).
@@ -304,7 +309,8 @@ class Trainer:
 
     def evaluate(self):
         """The task's metrics over the whole validation set, the same on every rank."""
-        return self.validator.evaluate()
+        with self.memory.during("evaluation", self.step):
+            return self.validator.evaluate()
 
     def close(self, status):
         """status: finished, preempted, failed (agreed by all ranks) or crashed."""

@@ -168,6 +168,14 @@ def slow_until_released():
     change_training_loss(wait)
 
 
+def fast_claim():
+    """The folder claim renewed every 0.5 s and stale after 3 s (not 10 and 120 s): a test can
+    stall a run past the staleness, and another job take its folder over, in seconds."""
+    from ddp_utils import folder_claim
+
+    folder_claim.BEAT_SECONDS, folder_claim.STALE_SECONDS = 0.5, 3
+
+
 def slow_until_stopped():
     """Sleep 200 ms in each training micro-step until this process gets a stop signal (SIGTERM,
     SIGUSR1), on a first attempt only (not after torchrun's restart or SLURM's requeue): a run
@@ -198,6 +206,98 @@ def slow_checkpoint_write():
         return original(obj, f, *args, **kwargs)
 
     torch.save = save
+
+
+def slow_second_save():
+    """On the first attempt only (not after torchrun's restart), rank 0 takes 60 s over its
+    second checkpoint write, printing a line as it starts (the first is complete: there is one
+    to resume from): the other rank waits for it at the checkpoint's barrier meanwhile, when a
+    test kills a rank."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
+        return
+    original, writes = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        if RANK == 0 and str(getattr(f, "name", "")).endswith(".pt.tmp"):
+            writes.append(1)
+            if len(writes) == 2:
+                print("PROBE second checkpoint write started", flush=True)
+                time.sleep(60)
+        return original(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
+def out_of_memory():
+    """Raise torch's own OutOfMemoryError on rank $OOM_RANK in optimizer step $OOM_STEP (the
+    first of the run when 0), in phase $OOM_PHASE: forward, backward, optimizer (its step),
+    evaluation (the metrics line after that step) or compile (the first call of what
+    torch.compile returned). Prints each training call of the phase as it passes."""
+    phase, rank, at_step = os.environ["OOM_PHASE"], int(os.environ["OOM_RANK"]), int(os.environ["OOM_STEP"])
+    steps = []  # optimizer steps done on this rank
+
+    def fail(where):
+        if RANK == rank and len(steps) + 1 >= at_step and phase == where:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (probe, {where})")
+
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, loss):
+            return loss.view_as(loss)
+
+        @staticmethod
+        def backward(ctx, grad):
+            fail("backward")
+            return grad
+
+    def loss_wrapper(original):
+        def loss_fn(output, batch):
+            loss = original(output, batch)
+            if training_call(loss):
+                fail("forward")
+                return Fail.apply(loss)
+            if loss.device.type != "meta" and len(steps) + 1 > at_step:  # the evaluation after the step
+                fail("evaluation")
+            return loss
+
+        return loss_fn
+
+    wrap_loss(loss_wrapper)
+    if phase == "evaluation":  # the task's evaluation sums, not its loss, may be what evaluation calls
+        original_sums = task.TASK.evaluation_sums
+
+        def evaluation_sums(output, batch):
+            if len(steps) + 1 > at_step:
+                fail("evaluation")
+            return original_sums(output, batch)
+
+        change_task(evaluation_sums=evaluation_sums)
+    build = trainer.build_optimizer
+
+    def build_optimizer(*args, **kwargs):
+        optimizer = build(*args, **kwargs)
+        step = optimizer.step
+
+        def counted_step(*step_args, **step_kwargs):
+            fail("optimizer")
+            result = step(*step_args, **step_kwargs)
+            steps.append(1)
+            return result
+
+        optimizer.step = counted_step
+        return optimizer
+
+    trainer.build_optimizer = build_optimizer
+    if phase == "compile":
+
+        def compile(model, *args, **kwargs):
+            def first_call(*call_args, **call_kwargs):
+                fail("compile")
+                return model(*call_args, **call_kwargs)
+
+            return first_call
+
+        trainer.torch.compile = compile
 
 
 def stop_on_rank1():
@@ -698,7 +798,7 @@ PROBES = {
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_until_released)
-    + (slow_checkpoint_write,)
+    + (slow_checkpoint_write, fast_claim, slow_second_save, out_of_memory)
     + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
     + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads, item_in_forward)
     + (count_orthogonalised, record_group_lrs, record_full_collections, record_compiled_units)

@@ -4,6 +4,7 @@ of the same job is waited for; each launcher names its job."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from conftest import (
     assert_same_metrics,
     assert_same_parameters,
     checkpoint,
+    descendants,
     kill_tree,
     run_training,
     training_command,
@@ -35,12 +37,17 @@ pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 @pytest.fixture
 def start_slow_run():
     """Start a 2-process float64 run (as the `reference` runs) that crawls, 200 ms a micro-step,
-    until the file `release` exists; killed at the end of the test."""
+    until the file `release` exists; killed at the end of the test. Its output goes to
+    `log` (default: the output folder's name + .log beside it); `probe` adds probes; with
+    `another_machine`, as on another machine that shares this file system."""
     processes = []
 
-    def start(output_dir, release):
-        log = open(output_dir.parent / f"{output_dir.name}.log", "w")
-        command = training_command(output_dir, *ARGS, *TWO, nproc=2, probe="float64,slow_until_released")
+    def start(output_dir, release, log=None, probe="", another_machine=False):
+        log = open(log or output_dir.parent / f"{output_dir.name}.log", "w")
+        probes = ",".join(filter(None, ["float64,slow_until_released", probe]))
+        command = training_command(output_dir, *ARGS, *TWO, nproc=2, probe=probes)
+        if another_machine:
+            command = on_another_machine(command)
         process = subprocess.Popen(command, cwd=PROJECT, env=training_env({"RELEASE_FILE": str(release)}),
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         processes.append(process)
@@ -50,6 +57,29 @@ def start_slow_run():
     for process in processes:
         kill_tree(process.pid)
         process.wait()
+
+
+def on_another_machine(command):
+    """`command` as on another machine that shares this file system: in a process namespace of
+    its own (folder_claim.machine_identity differs; the hostname stays, for the rendezvous to
+    resolve), so another start can take its claim over only when the claim is stale on the
+    file system's clock, as across real hosts."""
+    return ["unshare", "--pid", "--fork", "--kill-child", *command]
+
+
+def claim_ages(path, seconds):
+    """Sample, for `seconds`, how long ago the claim at `path` was renewed on the file system's
+    own clock (a file written beside it now); returns (the largest age, renewals seen)."""
+    largest, renewals, last = 0.0, 0, path.stat().st_mtime
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        now = path.with_name("now")
+        now.write_text("")
+        mtime = path.stat().st_mtime
+        largest, renewals, last = max(largest, now.stat().st_mtime - mtime), renewals + (mtime != last), mtime
+        now.unlink()
+        time.sleep(0.25)
+    return largest, renewals
 
 
 def test_a_second_run_into_a_live_folder_is_refused_and_the_first_ends_as_if_alone(reference, tmp_path, start_slow_run):
@@ -72,6 +102,24 @@ def test_a_second_run_into_a_live_folder_is_refused_and_the_first_ends_as_if_alo
     assert not (output_dir / CLAIM_FILE).exists(), "the claim outlived its run"
 
 
+def test_a_training_run_renews_its_claim_on_the_file_systems_clock(tmp_path):
+    """While a run trains, its claim is renewed every heartbeat, as the file system's clock
+    sees it: never near the age at which another machine's start takes it over (a heartbeat
+    stopped or slowed past the staleness would hand a live run's folder to any other job)."""
+    output_dir = tmp_path / "run"
+    command = training_command(output_dir, *ARGS, "--epochs", "50", probe="slow_until_released")
+    run = subprocess.Popen(command, cwd=PROJECT, env=training_env({"RELEASE_FILE": str(tmp_path / "never")}),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        wait_for(output_dir / CLAIM_FILE, run)
+        largest_age, renewals = claim_ages(output_dir / CLAIM_FILE, 13)
+        assert run.poll() is None, "the run ended while its claim was watched"
+    finally:
+        kill_tree(run.pid)
+        run.wait()
+    assert renewals >= 1 and largest_age < folder_claim.STALE_SECONDS / 8, (largest_age, renewals)
+
+
 def test_after_a_sigkill_of_the_whole_job_the_same_command_takes_over_and_resumes_exactly(
     reference, tmp_path, start_slow_run
 ):
@@ -86,6 +134,44 @@ def test_after_a_sigkill_of_the_whole_job_the_same_command_takes_over_and_resume
     assert f"its process {dead['pid']} no longer exists" in result.stdout
     assert_same_parameters(output_dir, reference.two)
     assert_same_metrics(output_dir, reference.two)
+
+
+def test_a_run_whose_folder_was_taken_over_stops_and_the_new_owner_ends_as_if_alone(
+    reference, tmp_path, start_slow_run
+):
+    """The first run, on another machine, stalls (SIGSTOP) past the claim's staleness; a job started
+    here takes its folder over and trains; the first, continued, stops with one line naming
+    the new owner before its next write there; the second ends bit for bit as if alone."""
+    output_dir, first_log = tmp_path / "run", tmp_path / "first.log"
+    first = start_slow_run(output_dir, tmp_path / "never", log=first_log, probe="fast_claim", another_machine=True)
+    wait_for(checkpoint(output_dir, 4), first)
+    stalled = [first.pid, *descendants(first.pid)]
+    for pid in stalled:
+        os.kill(pid, signal.SIGSTOP)
+    mine = json.loads((output_dir / CLAIM_FILE).read_text())
+    release = tmp_path / "release"
+    second = start_slow_run(output_dir, release, log=tmp_path / "second.log", probe="fast_claim")
+    deadline = time.monotonic() + 180
+    while (taken := folder_claim.read_claim(output_dir / CLAIM_FILE)) is None or taken["token"] == mine["token"]:
+        assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "second.log").read_text()
+        time.sleep(0.1)
+    # The second has resumed the first's checkpoints and trains on (slowly, until released).
+    while "resumed from" not in (tmp_path / "second.log").read_text():
+        assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "second.log").read_text()
+        time.sleep(0.1)
+    for pid in stalled:
+        os.kill(pid, signal.SIGCONT)
+    assert first.wait(timeout=120) != 0, first_log.read_text()
+    lines = [line for line in first_log.read_text().splitlines() if "no longer owns" in line]
+    assert len(lines) == 1, first_log.read_text()
+    assert f"taken over by host {taken['host']}, pid {taken['pid']}" in lines[0], lines[0]
+    assert "no longer owns" not in (output_dir / "train.log").read_text()  # the second's log now
+    release.touch()
+    assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()
+    assert_same_parameters(output_dir, reference.two)
+    assert_same_metrics(output_dir, reference.two)
+    assert not (output_dir / CLAIM_FILE).exists(), "the second run's claim outlived it"
+    assert not list((output_dir / "checkpoints").glob(".*")), "a partial file was left behind"
 
 
 def config_value(path, name):

@@ -2,6 +2,7 @@
 under a signal, timed-out runs. Each compares with an uninterrupted run, bit for bit.
 """
 
+import os
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from conftest import (
     assert_same_metrics,
     assert_same_parameters,
     checkpoint,
+    descendants,
     kill_tree,
     run_training,
     saved_step,
@@ -147,6 +149,49 @@ def test_killed_worker_is_restarted_by_torchrun_and_resumes_exactly(reference, t
     assert "resumed from" in log_of(output_dir)
     assert_same_parameters(output_dir, reference.two)
     assert_same_metrics(output_dir, reference.two)
+
+
+def test_a_rank_killed_at_a_checkpoint_stops_its_partner_in_seconds_and_the_restart_resumes_exactly(
+    reference, tmp_path
+):
+    """Rank 0 is SIGKILLed while it writes a checkpoint and rank 1 waits for it at the
+    checkpoint's barrier (the store's wait): rank 1 sees rank 0's heartbeat stop and exits by
+    itself within seconds, with one line naming the rank (not torchrun's SIGKILL 30 s after
+    its SIGTERM, which a wait in the store does not hear); torchrun restarts both and the run
+    resumes exactly. bench/rank_loss.py measures the time it takes."""
+    output_dir, log = tmp_path / "run", tmp_path / "run.log"
+    command = training_command(output_dir, *ARGS, *TWO, nproc=2, probe="float64,slow_second_save",
+                               torchrun_args=["--max-restarts=1"])  # fmt: skip
+    process = subprocess.Popen(command, cwd=PROJECT, env=training_env(), stdout=open(log, "w"),
+                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while "second checkpoint write started" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        workers = {worker_rank(pid): pid for pid in descendants(process.pid) if worker_rank(pid) is not None}
+        os.kill(workers[0], signal.SIGKILL)
+        assert process.wait(timeout=180) == 0, log.read_text()
+    finally:
+        kill_tree(process.pid)
+        process.wait()
+    output = log.read_text()
+    assert "rank 1: rank 0 stopped answering" in output, output
+    assert "resumed from" in output
+    assert_same_parameters(output_dir, reference.two)
+    assert_same_metrics(output_dir, reference.two)
+
+
+def worker_rank(pid):
+    """The RANK of a torchrun worker (None for another process: torchrun, a loader's worker)."""
+    try:
+        environ = dict(
+            item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+        )
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return int(environ[b"RANK"]) if b"RANK" in environ and b"ddp_probe.py" in cmdline else None
 
 
 def test_each_restart_and_group_size_gets_its_own_store_keys(monkeypatch):
