@@ -129,21 +129,77 @@ def read_metrics(output_dir):
     return [json.loads(line) for line in lines]
 
 
+# --- two suites: the quick check (`pytest`) and the full one (`pytest --full -n 2`) ----------
+#
+# A plain `pytest` runs the tests marked `quick` alone: the guarantees that break when the
+# model or the data is swapped (1 vs 2 processes and accumulation, exact resume after SIGTERM,
+# fsdp = ddp, the doctor's rows), a few minutes on 2 cores, the check to run after every change
+# of model.py or dataset.py. Everything else is in the full suite only: a test joins the quick
+# check by being marked, so a new module, unmarked, runs in the full suite. `--full` runs every
+# test; so does naming test files or tests (`pytest tests/test_fsdp.py`: all of that file) or
+# choosing by marker yourself (`pytest -m "not cluster"`).
+FULL_SUITE = "pytest --full -n 2"  # both cores: pytest-xdist, in the dev extra
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="run the whole suite (about 15 minutes on 2 cores with -n 2), not only the quick check "
+        "(the tests marked quick, which a plain pytest runs)",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "fixed_amp: sets --amp itself, so the project's default amp does not matter")
     config.addinivalue_line("markers", "alone: times things; run with nothing else on the machine")
     config.addinivalue_line(
         "markers", "cluster: a SLURM cluster, network-namespace hosts or Kubernetes manifests (tests/cluster/)"
     )
+    config.addinivalue_line(
+        "markers",
+        f"quick: in the check a plain pytest runs (the guarantees a swapped model can break); {FULL_SUITE}: all",
+    )
 
 
-def pytest_collection_modifyitems(items):
+def quick_check(config):
+    """Whether this run is the quick check: no --full, no -m of the user's, no test file named."""
+    if config.getoption("full") or config.getoption("markexpr"):
+        return False
+    return not named_files(config)
+
+
+def named_files(config):
+    """The test files named on the command line (alone or with a test: FILE::TEST)."""
+    where = config.invocation_params.dir
+    paths = (Path(where, arg.split("::", 1)[0]) for arg in config.args)
+    return {path.resolve() for path in paths if path.is_file()}
+
+
+def pytest_report_header(config):
+    if quick_check(config):
+        return f"the quick check: the tests marked quick (the whole suite: {FULL_SUITE})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
     """Everything under tests/cluster/ is marked `cluster`: `pytest -m "not cluster"` runs the
-    unit and 2-process tests alone (the cluster tests skip by themselves where they cannot run)."""
+    unit and 2-process tests alone (the cluster tests skip by themselves where they cannot run).
+    The quick check keeps the tests marked `quick` (see FULL_SUITE above)."""
     cluster = Path(__file__).parent / "cluster"
     for item in items:
         if cluster in Path(item.path).parents:
             item.add_marker(pytest.mark.cluster)
+    if quick_check(config):
+        kept = [item for item in items if item.get_closest_marker("quick")]
+        config.hook.pytest_deselected(items=[item for item in items if not item.get_closest_marker("quick")])
+        items[:] = kept
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    deselected = len(terminalreporter.stats.get("deselected", []))
+    if quick_check(config) and deselected:
+        terminalreporter.write_line(f"the quick check only: {FULL_SUITE} runs the {deselected} other tests too")
 
 
 def relative_difference(a, b):

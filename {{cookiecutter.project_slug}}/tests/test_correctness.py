@@ -62,6 +62,7 @@ def compared_runs():
     return ("2x32",) if batchnorm else ("2x32", "2x16_accum2")
 
 
+@pytest.mark.quick
 def test_world_size_and_accumulation_give_the_same_parameters(equivalent_runs):
     reference = equivalent_runs["1x64"].model
     for name in compared_runs():
@@ -70,6 +71,7 @@ def test_world_size_and_accumulation_give_the_same_parameters(equivalent_runs):
             assert relative_difference(model[key], reference[key]) < run_tolerance(), (name, key)
 
 
+@pytest.mark.quick
 def test_world_size_and_accumulation_give_the_same_gradients(equivalent_runs):
     """Adam barely notices gradients off by a constant factor (a loss not divided by the
     accumulation steps), so equal parameters alone would not show it; clipping thresholds and
@@ -81,6 +83,7 @@ def test_world_size_and_accumulation_give_the_same_gradients(equivalent_runs):
         assert equivalent_runs[name].probed["grad_norms"] == pytest.approx(reference, rel=run_tolerance()), name
 
 
+@pytest.mark.quick
 def test_world_size_and_accumulation_give_the_same_metrics(equivalent_runs):
     reference = read_metrics(equivalent_runs["1x64"].output_dir)
     for name in compared_runs():
@@ -93,6 +96,7 @@ def test_world_size_and_accumulation_give_the_same_metrics(equivalent_runs):
                 assert ours[key] == pytest.approx(theirs[key], rel=run_tolerance()), (name, key)
 
 
+@pytest.mark.quick
 def test_accumulation_all_reduces_once_per_optimizer_step(equivalent_runs):
     run = equivalent_runs["2x16_accum2"]
     steps = read_metrics(run.output_dir)[-1]["step"]
@@ -100,6 +104,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step(equivalent_runs):
     assert run.probed["allreduce_calls"] == steps  # one bucket for this small model, once per step
 
 
+@pytest.mark.quick
 def test_evaluation_counts_every_sample_once(equivalent_runs, tmp_path):
     """The same parameters evaluated by 2 processes give the single-process numbers, with an
     odd val_samples that splits 128/127 (averaging per-rank means would be off)."""

@@ -34,6 +34,7 @@ from ddp_utils.configuration import parse_config
 from task import TASK
 
 
+@pytest.mark.quick
 def test_the_shipped_task_passes_the_doctor(tmp_path):
     """On a machine with a GPU, as the doctor is run before renting more (torch's accelerator is
     cuda, and the model's build sees CUDA: a task may then pick GPU-only layers): its checks run

@@ -161,6 +161,7 @@ def trained_metrics(output_dir):
     return line
 
 
+@pytest.mark.quick
 def test_fsdp_trains_the_same_parameters_as_ddp(runs):
     """Accumulation without a sync per micro-step, clipping on sharded gradients, and the
     meta-device start give what DDP gives (float rounding aside)."""
@@ -203,6 +204,7 @@ def test_the_doctor_plans_the_model_state_each_process_held(runs):
         assert planned == pytest.approx(held, rel=0.05), (name, planned, held)
 
 
+@pytest.mark.quick
 def test_both_strategies_start_from_the_weights_the_model_makes(runs):
     """ddp and fsdp start from the same weights: those build_model(cfg) makes with torch seeded
     by --seed, its own initialisation kept; or, for a model with init_weights, those of the
