@@ -15,6 +15,7 @@ import torch
 from conftest import (
     TINY_CONFIG,
     compared_metrics,
+    gap,
     load_final_model,
     probe_output,
     read_metrics,
@@ -67,8 +68,11 @@ def test_world_size_and_accumulation_give_the_same_parameters(equivalent_runs):
     reference = equivalent_runs["1x64"].model
     for name in compared_runs():
         model = equivalent_runs[name].model
-        for key in reference:
-            assert relative_difference(model[key], reference[key]) < run_tolerance(), (name, key)
+        worst, key = max((relative_difference(model[key], reference[key]), key) for key in reference)
+        tolerance = run_tolerance()
+        assert worst < tolerance, (
+            f"{name}: {key} differs by {worst:.2e} (relative), {worst / tolerance:.3g}x {tolerance:g}"
+        )
 
 
 @pytest.mark.quick
@@ -80,7 +84,8 @@ def test_world_size_and_accumulation_give_the_same_gradients(equivalent_runs):
     reference = equivalent_runs["1x64"].probed["grad_norms"]
     assert len(reference) == EQUIVALENCE_STEPS  # every step's
     for name in compared_runs():
-        assert equivalent_runs[name].probed["grad_norms"] == pytest.approx(reference, rel=run_tolerance()), name
+        norms = equivalent_runs[name].probed["grad_norms"]
+        assert norms == pytest.approx(reference, rel=run_tolerance()), gap(norms, reference, name, run_tolerance())
 
 
 @pytest.mark.quick
@@ -93,7 +98,9 @@ def test_world_size_and_accumulation_give_the_same_metrics(equivalent_runs):
             ours, theirs = compared_metrics(ours), compared_metrics(theirs)  # the task's metrics, whatever they are
             assert ours.keys() == theirs.keys() and "val_loss" in ours
             for key in theirs:
-                assert ours[key] == pytest.approx(theirs[key], rel=run_tolerance()), (name, key)
+                assert ours[key] == pytest.approx(theirs[key], rel=run_tolerance()), gap(
+                    ours[key], theirs[key], f"{name}: {key}", run_tolerance()
+                )
 
 
 @pytest.mark.quick
@@ -115,7 +122,9 @@ def test_evaluation_counts_every_sample_once(equivalent_runs, tmp_path):
     (metrics,) = probe_output(result)
     assert metrics["val_samples"] == 255 and "val_loss" in metrics
     for key, value in metrics.items():  # the task's metrics, whatever they are: sums in another order
-        assert value == pytest.approx(expected[key], rel=run_tolerance()), key
+        assert value == pytest.approx(expected[key], rel=run_tolerance()), gap(
+            value, expected[key], key, run_tolerance()
+        )
 
 
 @pytest.fixture(scope="module")
