@@ -987,22 +987,23 @@ def apply(mutant, project):
 
 
 def run_tests(project, tests, zoo=None):
-    """The tests (none: the project's default pytest, the quick check), with tests/zoo's model
-    `zoo` in place; returns the exit code, seconds, and the last line of the output, after the
-    first failing assertion if there is one."""
+    """The tests (none: the project's default pytest, the whole quick check, every failure
+    reported), with tests/zoo's model `zoo` in place; returns the exit code, seconds, and the
+    last line of the output, after the failing assertions of the quick check."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         **({"ZOO_MODEL": zoo} if zoo else {}),
+        "COLUMNS": "1000",  # pytest's summary lines whole: the failing assertions' numbers
     }
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    command = [sys.executable, "-m", "pytest", *(["-x"] if tests else []), "-q", "-p", "no:cacheprovider", *tests]
     started = time.monotonic()
     try:
         result = subprocess.run(command, check=False, cwd=project, env=env, capture_output=True, text=True,
                                 timeout=TIMEOUT)  # fmt: skip
         lines = (result.stdout + result.stderr).strip().splitlines()
-        failed = [line for line in lines if line.startswith("E   ")][:1]
+        failed = [] if tests else [line.strip() for line in lines if line.startswith("FAILED ")]
         code, tail = result.returncode, [" / ".join([*failed, *lines[-1:]])]
     except subprocess.TimeoutExpired:
         code, tail = "timeout", ["timed out"]
