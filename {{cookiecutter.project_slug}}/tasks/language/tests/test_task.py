@@ -401,7 +401,7 @@ def test_the_readmes_hugging_face_example_is_the_configs_size_and_trains_about_a
     GPT's (a SwiGLU MLP is 3 matrices of 4 x n_embd to the GPT's 2: 1.33x per block; with
     transformers' defaults, an MLP 11,008 wide, it was 20x). A 2-process quick-start run of it
     takes at most 3x the GPT's time a step: its arithmetic is 1.33x the GPT's, and eager
-    attention, rotary embeddings and transformers' Python add some; the defaults made it 7x."""
+    attention, rotary embeddings and transformers' Python add some; the defaults made it 12x."""
     pytest.importorskip("transformers")
     snippet = readme_snippet("README.md", HF_EXAMPLE)
     llama, gpt = quick_start_model(snippet), build_model(quick_start_config())
