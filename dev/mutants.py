@@ -11,6 +11,14 @@ projects. Prints a Markdown table.
     bash dev/mutants.sh --repeat 3             # each three times: "caught every time"
     bash dev/mutants.sh no_sync_dropped rng_not_restored
     bash dev/mutants.sh --list
+    bash dev/mutants.sh --quick-check loss_not_divided_by_accumulation     # a plain `pytest` must catch it
+    bash dev/mutants.sh --quick-check --zoo llama optimizer_not_restored   # on tests/zoo's Llama
+
+With --quick-check each mutant is run against the project's default `pytest` (the quick check:
+the tests marked quick) instead of its own tests, and the failing assertion is printed: its
+numbers against the tolerance are the margin by which the mutant is caught. With --zoo NAME
+the language bake's model.py gets tests/zoo/language.py appended and runs with ZOO_MODEL=NAME
+(a model nobody here wrote, as test_zoo.py drops it in).
 """
 
 import argparse
@@ -1107,18 +1115,25 @@ def apply(mutant, project):
     path.write_text(text.replace(mutant.old, mutant.new))
 
 
-def run_tests(project, tests):
+def run_tests(project, tests, zoo=None):
+    """The tests (none: the project's default pytest, the whole quick check, every failure
+    reported), with tests/zoo's model `zoo` in place; returns the exit code, seconds, and the
+    last line of the output, after the failing assertions of the quick check."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        **({"ZOO_MODEL": zoo} if zoo else {}),
+        "COLUMNS": "1000",  # pytest's summary lines whole: the failing assertions' numbers
     }
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    command = [sys.executable, "-m", "pytest", *(["-x"] if tests else []), "-q", "-p", "no:cacheprovider", *tests]
     started = time.monotonic()
     try:
         result = subprocess.run(command, check=False, cwd=project, env=env, capture_output=True, text=True,
                                 timeout=TIMEOUT)  # fmt: skip
-        code, tail = result.returncode, (result.stdout + result.stderr).strip().splitlines()[-1:]
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        failed = [] if tests else [line.strip() for line in lines if line.startswith("FAILED ")]
+        code, tail = result.returncode, [" / ".join([*failed, *lines[-1:]])]
     except subprocess.TimeoutExpired:
         code, tail = "timeout", ["timed out"]
     return code, time.monotonic() - started, tail[0] if tail else ""
@@ -1130,6 +1145,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=1, help="runs per mutant")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--no-control", action="store_true", help="skip the run on the unchanged project")
+    parser.add_argument("--quick-check", action="store_true", help="run the default pytest, not each mutant's tests")
+    parser.add_argument("--zoo", metavar="NAME", help="the language bake with tests/zoo's model NAME (ZOO_MODEL)")
     args = parser.parse_args()
     by_name = {m.name: m for m in MUTANTS}
     unknown = [name for name in args.names if name not in by_name]
@@ -1143,13 +1160,17 @@ def main():
     with tempfile.TemporaryDirectory(prefix="mutants-") as scratch:
         tasks = sorted({m.task for m in selected})
         base = {task: bake(Path(scratch) / "base" / task, task) for task in tasks}
+        if args.zoo:
+            with open(base["language"] / "model.py", "a") as model:
+                model.write("\n\n" + (TEMPLATE / "tests" / "zoo" / "language.py").read_text())
+        chosen = (lambda tests: []) if args.quick_check else (lambda tests: tests)
         for mutant in selected:  # every mutant still fits the code before anything runs
             copy = Path(scratch) / "check" / mutant.name
             shutil.copytree(base[mutant.task], copy)
             apply(mutant, copy)
         for task in [] if args.no_control else tasks:
             tests = sorted({test for m in selected if m.task == task for test in m.tests})
-            code, seconds, tail = run_tests(base[task], tests)
+            code, seconds, tail = run_tests(base[task], chosen(tests), args.zoo)
             print(f"control ({task}, unchanged, {len(tests)} test selections): {tail} [{seconds:.0f} s]", flush=True)
             if code != 0:
                 print("the control run failed: fix the suite before reading the mutants", file=sys.stderr)
@@ -1161,7 +1182,7 @@ def main():
                 project = Path(scratch) / "runs" / f"{mutant.name}_{attempt}"
                 shutil.copytree(base[mutant.task], project)
                 apply(mutant, project)
-                code, seconds, tail = run_tests(project, mutant.tests)
+                code, seconds, tail = run_tests(project, chosen(mutant.tests), args.zoo)
                 outcomes.append((code != 0, seconds))
                 shutil.rmtree(project, ignore_errors=True)
                 print(f"{mutant.name} run {attempt + 1}: {'caught' if code != 0 else 'MISSED'} ({tail}) [{seconds:.0f} s]",

@@ -3,6 +3,7 @@
 import ast
 import os
 import re
+import shutil
 import tomllib
 
 import pytest
@@ -171,10 +172,50 @@ def test_default_project_suite(default_project, modules):
     2-process runs included; a few modules per test so that they spread over the workers."""
     paths = [f"tests/{module}" for module in modules.split()]
     # The longest group took 620-700 s of a whole run here (4 workers on 2 cores): 1800 s before a hang is called.
-    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
+    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--full", *paths]
     result = run(command, cwd=default_project, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "failed" not in result.stdout and (" passed" in result.stdout or " skipped" in result.stdout)
+
+
+# The quick check a plain `pytest` runs in a bake: the guarantees a swapped model or data can
+# break, a few minutes on 2 cores (docs/guarantees.md). A test joins it only by its `quick` mark.
+QUICK_CHECK = [
+    "tests/test_contract.py::test_the_shipped_task_has_no_near_miss",
+    "tests/test_correctness.py::test_world_size_and_accumulation_give_the_same_parameters",
+    "tests/test_correctness.py::test_world_size_and_accumulation_give_the_same_gradients",
+    "tests/test_correctness.py::test_world_size_and_accumulation_give_the_same_metrics",
+    "tests/test_correctness.py::test_accumulation_all_reduces_once_per_optimizer_step",
+    "tests/test_correctness.py::test_evaluation_counts_every_sample_once",
+    "tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",
+    "tests/test_experiments.py::test_example_experiments_are_valid_configs[quick_cpu.toml]",
+    "tests/test_experiments.py::test_example_experiments_are_valid_configs[multinode_gpu.toml]",
+    "tests/test_fsdp.py::test_fsdp_trains_the_same_parameters_as_ddp",
+    "tests/test_fsdp.py::test_both_strategies_start_from_the_weights_the_model_makes",
+    "tests/test_preemption.py::test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact",
+    "tests/test_resilience.py::test_resume_mid_epoch_is_bit_identical",
+]
+
+
+def collected(project, *args):
+    result = run(["python", "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args], cwd=project)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    return [line for line in result.stdout.splitlines() if line.startswith("tests/")]
+
+
+def test_a_plain_pytest_is_the_quick_check_and_an_unmarked_module_runs_in_the_full_suite(default_project, tmp_path):
+    """`pytest` collects the tests marked quick, and nothing else; `pytest --full` everything. A
+    module added without a mark (as anyone adds one) is in the full suite, not the quick check;
+    a file or test named on the command line runs whatever its marks."""
+    project = tmp_path / "project"
+    shutil.copytree(default_project, project)
+    (project / "tests" / "test_added_later.py").write_text("def test_something_new():\n    pass\n")
+    assert collected(project) == QUICK_CHECK
+    everything = collected(project, "--full")
+    assert set(QUICK_CHECK) < set(everything) and "tests/test_added_later.py::test_something_new" in everything
+    assert len(everything) > 10 * len(QUICK_CHECK)
+    assert collected(project, "tests/test_added_later.py") == ["tests/test_added_later.py::test_something_new"]
+    assert len(collected(project, "tests/test_fsdp.py")) > 2  # a named file: all of it
 
 
 # The other tasks' own tests, and the shared guarantees that depend on the model and data,
@@ -223,7 +264,7 @@ def test_other_tasks_pass_their_tests(cookies, task):
     answers, extra_tests = EXTRA.get(task, ({}, []))
     project = bake_ok(cookies, task=task, **answers)
     tests = [*TASK_TESTS, *extra_tests]
-    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=project)
+    result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--full", *tests], cwd=project)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "failed" not in result.stdout and " passed" in result.stdout
 
@@ -255,7 +296,7 @@ def test_other_amp_defaults_train(cookies, amp):
     here: it renders like the others, test_combinations.py, and every test marked fixed_amp
     trains with --amp none.)"""
     project = bake_ok(cookies, amp=amp, task="tabular")  # the default task's runs cost the same
-    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not fixed_amp", "tests/test_train.py",
+    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--full", "-m", "not fixed_amp", "tests/test_train.py",
                "-k", "not single_process and not second_dataset"]  # fmt: skip
     result = run(command, cwd=project)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]

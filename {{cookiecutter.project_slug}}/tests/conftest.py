@@ -32,8 +32,8 @@ import task_settings  # noqa: E402 (tests/task_settings.py: what the tests must 
 
 from config import Config  # noqa: E402
 from ddp_utils.configuration import parse_config  # noqa: E402
-from ddp_utils.contract import model_inputs  # noqa: E402
-from ddp_utils.doctor_checks import to_float64  # noqa: E402
+from ddp_utils.doctor_checks import halves, to_float64  # noqa: E402
+from ddp_utils.doctor_equivalence import gradients  # noqa: E402
 from ddp_utils.doctor_numerics import TOLERANCES, Tolerance, watching_casts  # noqa: E402
 from task import TASK  # noqa: E402
 
@@ -129,21 +129,77 @@ def read_metrics(output_dir):
     return [json.loads(line) for line in lines]
 
 
+# --- two suites: the quick check (`pytest`) and the full one (`pytest --full -n 2`) ----------
+#
+# A plain `pytest` runs the tests marked `quick` alone: the guarantees that break when the
+# model or the data is swapped (1 vs 2 processes and accumulation, exact resume after SIGTERM,
+# fsdp = ddp, the doctor's rows), a few minutes on 2 cores, the check to run after every change
+# of model.py or dataset.py. Everything else is in the full suite only: a test joins the quick
+# check by being marked, so a new module, unmarked, runs in the full suite. `--full` runs every
+# test; so does naming test files or tests (`pytest tests/test_fsdp.py`: all of that file) or
+# choosing by marker yourself (`pytest -m "not cluster"`).
+FULL_SUITE = "pytest --full -n 2"  # both cores: pytest-xdist, in the dev extra
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="run the whole suite (about 15 minutes on 2 cores with -n 2), not only the quick check "
+        "(the tests marked quick, which a plain pytest runs)",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "fixed_amp: sets --amp itself, so the project's default amp does not matter")
     config.addinivalue_line("markers", "alone: times things; run with nothing else on the machine")
     config.addinivalue_line(
         "markers", "cluster: a SLURM cluster, network-namespace hosts or Kubernetes manifests (tests/cluster/)"
     )
+    config.addinivalue_line(
+        "markers",
+        f"quick: in the check a plain pytest runs (the guarantees a swapped model can break); {FULL_SUITE}: all",
+    )
 
 
-def pytest_collection_modifyitems(items):
+def quick_check(config):
+    """Whether this run is the quick check: no --full, no -m of the user's, no test file named."""
+    if config.getoption("full") or config.getoption("markexpr"):
+        return False
+    return not named_files(config)
+
+
+def named_files(config):
+    """The test files named on the command line (alone or with a test: FILE::TEST)."""
+    where = config.invocation_params.dir
+    paths = (Path(where, arg.split("::", 1)[0]) for arg in config.args)
+    return {path.resolve() for path in paths if path.is_file()}
+
+
+def pytest_report_header(config):
+    if quick_check(config):
+        return f"the quick check: the tests marked quick (the whole suite: {FULL_SUITE})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
     """Everything under tests/cluster/ is marked `cluster`: `pytest -m "not cluster"` runs the
-    unit and 2-process tests alone (the cluster tests skip by themselves where they cannot run)."""
+    unit and 2-process tests alone (the cluster tests skip by themselves where they cannot run).
+    The quick check keeps the tests marked `quick` (see FULL_SUITE above)."""
     cluster = Path(__file__).parent / "cluster"
     for item in items:
         if cluster in Path(item.path).parents:
             item.add_marker(pytest.mark.cluster)
+    if quick_check(config):
+        kept = [item for item in items if item.get_closest_marker("quick")]
+        config.hook.pytest_deselected(items=[item for item in items if not item.get_closest_marker("quick")])
+        items[:] = kept
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    deselected = len(terminalreporter.stats.get("deselected", []))
+    if quick_check(config) and deselected:
+        terminalreporter.write_line(f"the quick check only: {FULL_SUITE} runs the {deselected} other tests too")
 
 
 def relative_difference(a, b):
@@ -229,7 +285,17 @@ def start_from(source_checkpoint, output_dir):
 def assert_same_parameters(output_dir, reference_dir):
     ours, theirs = load_final_model(output_dir), load_final_model(reference_dir)
     assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[key], theirs[key]) for key in theirs), "parameters differ from the uninterrupted run"
+    differ = [key for key in theirs if not torch.equal(ours[key], theirs[key])]
+    worst = max((relative_difference(ours[key], theirs[key]), key) for key in differ) if differ else None
+    assert not differ, f"parameters differ from the uninterrupted run: {worst[1]} by {worst[0]:.2e} (relative)"
+
+
+def gap(ours, theirs, what, tolerance):
+    """Why two numbers (or lists of them) are not equal to `tolerance`, relative: the worst
+    difference and how many times the tolerance it is (a fault's margin over the tolerance)."""
+    pairs = zip(ours, theirs, strict=True) if isinstance(theirs, (list, tuple)) else [(ours, theirs)]
+    worst = max(abs(a - b) / max(abs(b), 1e-300) for a, b in pairs)
+    return f"{what} differ by {worst:.2e} (relative), {worst / tolerance:.3g}x the tolerance {tolerance:g}"
 
 
 TIMINGS = {
@@ -247,24 +313,36 @@ TIMINGS = {
 @functools.cache
 def run_tolerance():
     """How closely two float64 runs of TINY that split the work differently (world size,
-    accumulation) must agree, relative. Their sums differ in order only, ~1e-16 each: after 32
-    steps the GPT's and a Llama's parameters and metrics agree to 1e-13, so 1e-9, far below
-    any fault (a loss not averaged, a sample seen twice). A model that computes in a lower
-    precision inside whatever it is given (a Mamba's scan in float32) agrees to that
-    precision's rounding: the doctor's tolerance for it (ddp_utils/doctor_numerics.py; float32:
-    1e-6, where a Mamba's metrics differ by 5e-8), its casts found as the doctor finds them."""
+    accumulation, sharding) must agree, relative: judged as the doctor judges its 1 vs 2
+    processes row (ddp_utils/doctor_equivalence.py), exact where the model's runs agree exactly.
+
+    Their sums differ in order only, ~1e-16 each: after 32 steps the GPT's and a Llama's
+    parameters and metrics agree to 1e-13, so 1e-9, far below any fault (a loss not averaged, a
+    sample seen twice, an evaluation that averages the ranks' averages). A model that computes
+    in a lower precision inside whatever it is given gets that precision's tolerance (the
+    doctor's, ddp_utils/doctor_numerics.py; float32: 1e-6) only where that changes what a split
+    of the work computes: the gradients of a batch and of its two halves are compared in float64
+    at the doctor's EXACT, and must differ by more. A Mamba's scan in float32 sums over the batch
+    in float32 (its runs' metrics differ by 5e-8): 1e-6. A Llama's RMSNorm casts each token to
+    float32 and back, the same on every split (its runs agree to 5e-16): 1e-9, so a fault on it
+    is caught with a thousand times the room 1e-6 would leave."""
     cfg, previous = TINY_CONFIG.resolved(), torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        model = TASK.build_model(cfg)
+        torch.manual_seed(cfg.seed)
+        model = TASK.build_model(cfg).eval()  # no dropout; batch norms on their running statistics
         train, _ = TASK.build_datasets(cfg)
-        batch = to_float64(default_collate([train[index] for index in range(4)]))
+        batch = to_float64(default_collate([train[index] for index in range(min(cfg.batch_size, len(train)))]))
         with watching_casts() as watch:
-            TASK.loss_fn(model(model_inputs(batch)), batch).backward()
+            whole = gradients(model, [batch], TASK.loss_fn)
+        tolerance = Tolerance.watched(model, watch)
+        if tolerance.lowest == torch.float64:
+            return 1e-9
+        verdict, _ = tolerance.compare(whole, gradients(model, halves(batch), TASK.loss_fn))
     finally:
         torch.set_default_dtype(previous)
-    lowest = Tolerance.watched(model, watch).lowest
-    return 1e-9 if lowest == torch.float64 else TOLERANCES[lowest]
+    # "differs" is a fault of the model itself (a loss that is no mean): the runs then show it at 1e-9.
+    return TOLERANCES[tolerance.lowest] if verdict == "close" else 1e-9
 
 
 def compared_metrics(line):

@@ -83,6 +83,7 @@ def test_a_near_miss_of_a_hook_on_the_model_the_datasets_or_the_config_is_report
         TASK.replace(config=Misspelled)
 
 
+@pytest.mark.quick
 def test_the_shipped_task_has_no_near_miss():
     """The project's own model and datasets: nothing reported (a false alarm at every start would
     teach users to ignore the warning)."""

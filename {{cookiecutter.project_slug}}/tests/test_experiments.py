@@ -104,6 +104,7 @@ def test_resolved_config_file_reads_back_to_the_same_config(tmp_path):
     assert parse_config(Config, ["--config", path], resolve=False) == cfg
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["quick_cpu.toml", "multinode_gpu.toml"])
 def test_example_experiments_are_valid_configs(name):
     path = PROJECT / "experiments" / name

@@ -62,6 +62,7 @@ def log_of(output_dir):
     return (output_dir.parent / f"{output_dir.name}.log").read_text()
 
 
+@pytest.mark.quick
 def test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact(reference, tmp_path, start_training):
     """SIGTERM (schedulers, Kubernetes) reaches every worker through torchrun; they agree on
     it at the next step, save and exit within seconds; the same command resumes exactly.

@@ -87,6 +87,7 @@ def test_resume_at_an_epoch_boundary_is_bit_identical(reference, tmp_path):
     assert_same_metrics(output_dir, reference.two)
 
 
+@pytest.mark.quick
 def test_resume_mid_epoch_is_bit_identical(reference, tmp_path):
     output_dir = start_from(checkpoint(reference.two, 20), tmp_path)
     result = run_training(output_dir, *ARGS, *TWO, nproc=2, probe="float64")

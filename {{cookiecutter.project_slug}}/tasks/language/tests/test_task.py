@@ -28,6 +28,7 @@ from conftest import (
 from config import Config
 from dataset import TokenWindows
 from ddp_utils import flops
+from ddp_utils.configuration import parse_config
 from ddp_utils.knobs import ConfigError
 from model import build_model
 from task import TASK
@@ -352,3 +353,69 @@ def test_fine_tuning_resumes_exactly_after_sigterm_without_loading_the_folder_ag
     assert "sample at step 3:" in (output_dir / "train.log").read_text()  # rank 0 alone, under ddp
     ours, reference = load_final_model(output_dir), load_final_model(fine_tuned)
     assert all(torch.equal(ours[name], reference[name]) for name in reference)
+
+
+# --- the README's Hugging Face example, pasted as shown -------------------------------------
+
+
+def readme_snippet(page, after):
+    """The first Python block of `page` (README.md or a docs/ page) after the text `after`."""
+    text = (PROJECT / page).read_text().split(after, 1)[1]
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def with_snippet(folder, snippet):
+    """A copy of this project's code (its Python files, packages and experiments; no data, runs
+    or environments) with `snippet` pasted at the end of model.py, as the README says."""
+    for path in PROJECT.iterdir():
+        if path.suffix == ".py":
+            shutil.copy(path, folder / path.name)
+        elif path.is_dir() and ((path / "__init__.py").exists() or path.name == "experiments"):
+            shutil.copytree(path, folder / path.name, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(folder / "model.py", "a") as model:
+        model.write("\n\n" + snippet)
+    return folder
+
+
+def quick_start_model(snippet):
+    """The model build_model makes at experiments/quick_cpu.toml's sizes, `snippet` pasted after model.py."""
+    namespace = {"__name__": "model"}
+    exec(compile((PROJECT / "model.py").read_text() + "\n\n" + snippet, "model.py", "exec"), namespace)
+    torch.manual_seed(0)
+    return namespace["build_model"](quick_start_config())
+
+
+def quick_start_config():
+    return parse_config(Config, ["--config", str(PROJECT / "experiments" / "quick_cpu.toml"), *DATA_FLAGS])
+
+
+DATA_FLAGS = ["--data_dir", str(DATA / "data")]  # the tests' data (tests/task_settings.py)
+HF_EXAMPLE = "A model from the Hugging Face zoo"  # the README's text before its snippet
+# A quick-start run cut short: 40 steps, the second half's speed compared (steady state: no start-up).
+QUICK_START = ["--config", "experiments/quick_cpu.toml", *DATA_FLAGS, "--max_steps", "40", "--eval_every_steps", "20"]
+
+
+def test_the_readmes_hugging_face_example_is_the_configs_size_and_trains_about_as_fast_as_the_gpt(tmp_path):
+    """The README's Llama, pasted at the end of model.py, takes every size from the config: at
+    the quick start's, its parameters are those of docs/your-model.md's Llama, and within 2x the
+    GPT's (a SwiGLU MLP is 3 matrices of 4 x n_embd to the GPT's 2: 1.33x per block; with
+    transformers' defaults, an MLP 11,008 wide, it was 20x). A 2-process quick-start run of it
+    takes at most 3x the GPT's time a step: its arithmetic is 1.33x the GPT's, and eager
+    attention, rotary embeddings and transformers' Python add some; the defaults made it 12x."""
+    pytest.importorskip("transformers")
+    snippet = readme_snippet("README.md", HF_EXAMPLE)
+    llama, gpt = quick_start_model(snippet), build_model(quick_start_config())
+    parameters = sum(p.numel() for p in llama.parameters())
+    documented = quick_start_model(readme_snippet("docs/your-model.md", "## A model from the Hugging Face zoo"))
+    assert parameters == sum(p.numel() for p in documented.parameters())
+    assert parameters <= 2 * sum(p.numel() for p in gpt.parameters()), parameters
+
+    speeds = {}
+    for name, project in [("gpt", PROJECT), ("llama", with_snippet(tmp_path, snippet))]:
+        output_dir = tmp_path / "runs" / name
+        command = training_command(output_dir, *QUICK_START, nproc=2, tiny=False)
+        done = subprocess.run(command, cwd=project, env=training_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        speeds[name] = read_metrics(output_dir)[-1]["samples_per_s"]
+    print(f"quick start, 2 processes, steps 21-40: {speeds} samples/s")  # pytest -s shows it
+    assert speeds["llama"] >= speeds["gpt"] / 3, speeds
