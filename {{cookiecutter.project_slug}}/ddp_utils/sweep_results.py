@@ -148,7 +148,7 @@ def write_metric_vs_knobs(sweep, study, path):
         ax.set_xlabel(knob.name)
         ax.set_ylabel(sweep.metric)
         ax.legend(fontsize="small")
-    fig.suptitle(f"sweep {sweep.name}: {sweep.metric} ({sweep.direction}) against each knob")
+    fig.suptitle(f"{sweep.name}: {sweep.metric} ({sweep.direction})", fontsize="medium")
     fig.tight_layout()
     save_figure(fig, path)
 
