@@ -156,6 +156,14 @@ def test_the_best_config_reproduces_its_trial_and_the_pictures_are_written(swept
     again = tmp_path / "again"
     run_training(again, "--config", folder / "best_config.toml", tiny=False)
     assert read_metrics(again)[-1]["val_loss"] == float(best["val_loss"])  # same seed, same processes: to the bit
+    # The dead worker's trial, resumed in its folder by the other worker, equals the same trial
+    # run alone, at every evaluation both made.
+    (dead,) = [r for r in rows if "no heartbeat" in r["reason"]]
+    alone = tmp_path / "alone"
+    run_training(alone, "--config", Path(dead["output_dir"]) / "config.toml", "--max_steps", STEPS, tiny=False)
+    resumed = {line["step"]: line["val_loss"] for line in read_metrics(dead["output_dir"])}
+    fresh = {line["step"]: line["val_loss"] for line in read_metrics(alone)}
+    assert resumed and all(fresh[step] == value for step, value in resumed.items()), (resumed, fresh)
     for picture in ("metric_vs_knobs.png", "best_curves.png"):
         assert (folder / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
     # The same command again continues the study: it is done, so no trial is added.
