@@ -51,6 +51,7 @@ RESILIENCE = "tests/test_resilience.py"
 PREEMPTION = "tests/test_preemption.py"
 FSDP = "tests/test_fsdp.py"
 CLAIM = "tests/test_folder_claim.py"
+SWEEP = "tests/test_sweep.py"
 
 MUTANTS = [
     Mutant(
@@ -1094,6 +1095,34 @@ MUTANTS = [
         "            at_exit_now(self.release)",
         "            pass",
         ("tests/test_out_of_memory.py::test_out_of_memory_in_each_phase_is_one_line_naming_where_and_what_helps",),
+    ),
+    Mutant(
+        "pruned_trial_not_stopped",
+        "a trial the pruner stops is only marked pruned: its run trains on to its last step",
+        "ddp_utils/sweep.py",
+        """                if outcome is not None:
+                    stop(process)""",
+        """                if outcome is not None:
+                    pass""",
+        (f"{SWEEP}::test_every_trial_ends_with_its_reason_and_none_is_lost",),
+    ),
+    Mutant(
+        "dead_workers_trial_lost",
+        "a trial whose worker died is marked failed but never run again: its parameters are lost",
+        "ddp_utils/sweep.py",
+        """        if again:
+            first = t.user_attrs.get("retry_of", t.number)""",
+        """        if False:
+            first = t.user_attrs.get("retry_of", t.number)""",
+        (f"{SWEEP}::test_every_trial_ends_with_its_reason_and_none_is_lost",),
+    ),
+    Mutant(
+        "trial_outlives_its_worker",
+        "a SIGKILLed worker's trial trains on, unowned (no PR_SET_PDEATHSIG on its launcher)",
+        "ddp_utils/sweep_trial.py",
+        "            preexec_fn=die_with_parent,",
+        "            preexec_fn=None,",
+        (f"{SWEEP}::test_every_trial_ends_with_its_reason_and_none_is_lost",),
     ),
 ]
 

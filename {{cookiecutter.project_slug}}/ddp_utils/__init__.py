@@ -2,10 +2,14 @@
 user does not need to edit.
 
 The user's files are at the top of the project (config.py, model.py, dataset.py, task.py and
-the task's scripts); this package never imports them. train.py, doctor.py, preflight.py and
-export.py hand it the task (task.py's TASK, a contract.Task) and call a `main(task)` here. Each
-module has one job, on one floor; a module imports only from the modules listed below it:
+the task's scripts); this package never imports them. train.py, doctor.py, preflight.py,
+export.py and sweep.py hand it the task (task.py's TASK, a contract.Task) and call a
+`main(task)` here. Each module has one job, on one floor; a module imports only from the modules listed below it:
 
+    sweep.py         sweep.py's main: a worker of an Optuna study, each trial a training run
+    sweep_results.py a sweep's table, best config and pictures; any runs' loss curves
+    sweep_trial.py   one trial: scripts/launch.sh started, its metrics followed, stopped, judged
+    sweep_file.py    a sweep file read and checked: knobs, ranges, metric, the trials' flags
     preflight.py     preflight.py's main: the job's step timed, what the network costs, the verdict
     run.py           train.py's main: the config, the process group, the Trainer's exit path
     trainer.py       the Trainer: the training loop, read top to bottom
