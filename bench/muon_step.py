@@ -21,27 +21,15 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
 import torch
-from run import TEMPLATE, bake, cpu_model, run_job, torchrun
+from run import bake, cpu_model, run_job, template_at, torchrun
 
 SIZES = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 16}
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "batch_size": 8}
-
-
-def template_at(ref, work):
-    """The template as git commit `ref` holds it, unpacked into `work`."""
-    archive = work / "template.tar"
-    subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), ref], cwd=TEMPLATE, check=True)
-    folder = work / f"template-{ref}"
-    with tarfile.open(archive) as tar:
-        tar.extractall(folder, filter="data")
-    return folder
 
 
 def train(project, data_flags, args, optimizer, output_dir):

@@ -22,6 +22,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +51,16 @@ def bake(task, work, template=TEMPLATE):
     prepare = [sys.executable, "prepare_data.py", "--output_dir", str(data), "--max_bytes", "2000000"]
     subprocess.run(prepare, cwd=project, check=True, capture_output=True)
     return project, ["--data_dir", str(data)]
+
+
+def template_at(ref, work):
+    """The template as git commit `ref` holds it, unpacked into `work`."""
+    archive = work / "template.tar"
+    subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), ref], cwd=TEMPLATE, check=True)
+    folder = work / f"template-{ref}"
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder, filter="data")
+    return folder
 
 
 def run_job(command, cwd, first_step_marker, env=None):

@@ -26,25 +26,14 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-TEMPLATE = BENCH.parent
+from run import TEMPLATE, template_at
+
 BATCH = 1024
 SETTINGS = [(noise, workers) for noise in (0.0, 0.1) for workers in (0, 2)]
-
-
-def template_at(ref, work):
-    """The template as git commit `ref` holds it, unpacked into `work`."""
-    archive = work / "template.tar"
-    subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), ref], cwd=TEMPLATE, check=True)
-    folder = work / f"template-{ref}"
-    with tarfile.open(archive) as tar:
-        tar.extractall(folder, filter="data")
-    return folder
 
 
 def bake(template, work):
