@@ -1065,7 +1065,7 @@ MUTANTS = [
     Mutant(
         "dead_rank_waited_for",
         "a rank waiting at a checkpoint's barrier never looks at the others' heartbeats: a dead partner keeps it until torchrun's kill",
-        "ddp_utils/dist.py",
+        "ddp_utils/store_waits.py",
         "            watched, gone = now, _heartbeats.gone()",
         "            watched, gone = now, []",
         (

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from .checkpoint_files import checkpoint_candidates, load_checkpoint, load_latest_checkpoint
 from .checkpoint_space import one_file_bytes, optimizer_bytes, serialized_bytes, sharded_bytes, space, tensor_bytes
-from .dist import agree, share_from_main, store_barrier
 from .faults import CheckpointError, TrainingError
 from .logs import log, report
+from .store_waits import agree, share_from_main, store_barrier
 
 
 class Checkpointer:

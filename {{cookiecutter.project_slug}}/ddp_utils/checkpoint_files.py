@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from .checkpoint_space import SPACE_ERRNOS, first_line, one_file_bytes, save_failure, sharded_bytes, tensor_bytes
-from .dist import store_barrier
 from .faults import CheckpointError
 from .files import FolderLost, fenced, remove_leftovers, replace_folder, write_atomically
 from .logs import rank_zero_only, warn_main
+from .store_waits import store_barrier
 
 
 def save_checkpoint(ctx, state, checkpoint_dir, step, keep, timeout_seconds):

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler, default_collate
 
-from .dist import agree
 from .knobs import InputError
+from .store_waits import agree
 
 
 def mix_seed(*parts):

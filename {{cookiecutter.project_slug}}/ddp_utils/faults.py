@@ -31,7 +31,7 @@ class CheckpointError(RuntimeError):
 
 
 class RankGone(RuntimeError):
-    """Another rank died while this one waited for it in the store (dist.Heartbeats)."""
+    """Another rank died while this one waited for it in the store (store_waits.Heartbeats)."""
 
 
 class OutOfMemory(RuntimeError):
@@ -296,7 +296,7 @@ class ExitPath:
                 write_stop_status(self.code)
             elif isinstance(error, OutOfMemory):
                 # The first rank out of memory says so; the others leave without a word (each
-                # rank's heartbeat thread watches the key: dist.Heartbeats).
+                # rank's heartbeat thread watches the key: store_waits.Heartbeats).
                 if self.ctx.store is None or self.ctx.store.add(FAILED_KEY + "/count", 1) == 1:
                     log.error("%s", error)
                 if self.ctx.store is not None:

@@ -32,11 +32,11 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .dist import share_from_main
 from .faults import at_exit_now, not_at_exit_now
 from .files import fence
 from .knobs import InputError
 from .logs import log, stop_file_logging
+from .store_waits import share_from_main
 
 CLAIM_FILE = ".owner.json"
 BEAT_SECONDS = 10  # how often the owner renews its claim

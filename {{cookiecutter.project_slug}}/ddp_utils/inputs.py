@@ -3,9 +3,9 @@ bad samples) and the trackers' packages, agreed by every rank (trainer.run calls
 
 from .contract import DATASET_HOOKS, near_misses
 from .data import checked_datasets
-from .dist import agree
 from .knobs import InputError
 from .logs import rank_zero_only
+from .store_waits import agree
 from .trackers import missing_package
 
 

@@ -6,12 +6,13 @@ import sys
 from pathlib import Path
 
 from .configuration import parse_config, write_resolved_config
-from .dist import DeviceError, agree, cleanup_distributed, setup_distributed
+from .dist import DeviceError, cleanup_distributed, setup_distributed
 from .faults import ExitPath, write_stop_status
 from .folder_claim import claim_output_dir
 from .inputs import check_inputs
 from .knobs import InputError, print_error
 from .logs import rank_zero_only, setup_logging, warn_main
+from .store_waits import agree
 from .trainer import Trainer
 
 

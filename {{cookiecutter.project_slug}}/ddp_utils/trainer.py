@@ -19,7 +19,7 @@ from .checkpoint import Checkpointer, resume_position
 from .collector import Collector
 from .contract import count_samples, data_state, model_inputs, model_near_misses, to_device
 from .data import build_loaders, global_batch_size, mix_seed, seed_everything, start_epoch
-from .dist import Agreement, agree, set_tf32
+from .dist import Agreement, set_tf32
 from .evaluation import TextSamples, Validator
 from .faults import Preempted, StepChecks, StopRequest, Watchdog
 from .flops import build_throughput
@@ -30,6 +30,7 @@ from .out_of_memory import MemoryGuard
 from .precision import AMP_DTYPES, autocast, loss_scale
 from .profiling import StepProfiler
 from .schedule import Plan, lr_at
+from .store_waits import agree
 from .strategy import build_strategy, load_full_weights, model_state_bytes, unused_parameters_named
 
 
