@@ -39,7 +39,8 @@ export.py and sweep.py hand it the task (task.py's TASK, a contract.Task) and ca
     checkpoint_files.py  the checkpoint formats on disk: single files, DCP folders
     checkpoint_space.py  a checkpoint's size, the room the kept ones need, a full disk in words
     data.py          which rank sees which samples, loaders, seeding
-    dist.py          the process group, devices, collectives and store waits
+    dist.py          the process group, devices, collectives
+    store_waits.py   waits through the store, cut short by the ranks' heartbeats
     faults.py        error types, stop signals, the watchdog, step agreements, the exit path
     logs.py          rank-aware logging (`rank_zero_only`)
     contract.py      the Task: every hook the machinery reads, its defaults, near misses
