@@ -24,7 +24,7 @@
 # back from $OUT). The "s" column is the check's seconds when the row was written.
 #
 # The checks (number, what; the plan table below has each one's plan and seconds):
-#   0. always: the GPU's name, torch's version and the peak ddp_utils/flops.py matches for MFU.
+#   0. always: the GPU's name, torch's version and the peak ddp_utils/observe/flops.py matches for MFU.
 #   1. throughput: a 1-GPU NCCL run of train.py per amp mode, with and without torch.compile, on
 #      a compute-bound MLP: samples/s, MFU, peak memory, data-wait share, speedup over none.
 #      Targets: bf16 >= 1.8x none (1.5x compiled); MFU >= 40% in bf16; data wait < 5%.
@@ -304,8 +304,8 @@ check_3() {
 import sys, traceback, warnings
 import torch
 sys.path.insert(0, ".")
-from ddp_utils import run
-from ddp_utils.trainer import Trainer
+from ddp_utils.train import run
+from ddp_utils.train.trainer import Trainer
 from task import TASK
 
 train_step, read_agreement, evaluate = Trainer.train_step, Trainer.read_agreement, Trainer.evaluate
@@ -380,7 +380,7 @@ import glob, os, sys, time
 import torch
 import torch.distributed as dist
 sys.path.insert(0, ".")
-from ddp_utils.dist import setup_distributed
+from ddp_utils.distributed.dist import setup_distributed
 
 ctx = setup_distributed(timeout_seconds=5, trace_dir=sys.argv[1])
 value = torch.ones(1024, device=ctx.device)
@@ -429,12 +429,12 @@ check_5() {
     diagnosis=$("$python" - "${MLP[@]}" --amp bf16 --compile false --output_dir "$runs/diagnosis" 2>"$runs/diagnosis.log" <<'PY'
 import itertools, sys, time
 sys.path.insert(0, ".")
-from ddp_utils import preflight
+from ddp_utils.preflight import run as preflight
 from ddp_utils.configuration import parse_config
 from ddp_utils.contract import to_device
-from ddp_utils.dist import cleanup_distributed, setup_distributed
-from ddp_utils.inputs import check_inputs
-from ddp_utils.trainer import Trainer
+from ddp_utils.distributed.dist import cleanup_distributed, setup_distributed
+from ddp_utils.train.inputs import check_inputs
+from ddp_utils.train.trainer import Trainer
 from task import TASK
 
 cfg = parse_config(TASK.config, sys.argv[1:])
@@ -614,7 +614,9 @@ check_10() {
             >"$runs/adamw_$run.log" 2>&1 <<'PY'
 import sys
 sys.path.insert(0, ".")
-from ddp_utils import optim, run, trainer
+from ddp_utils.optim import optimizer as optim
+from ddp_utils.train import run
+from ddp_utils.train import trainer
 from task import TASK
 
 fused = sys.argv.pop() == "true"
@@ -810,7 +812,7 @@ PY
 
 check_22() {
     # A batch far beyond the GPU (check 6's GPT, 1024 sequences of 1024 tokens a step): torch's
-    # OutOfMemoryError in the first step, turned into ddp_utils/out_of_memory.py's one line.
+    # OutOfMemoryError in the first step, turned into ddp_utils/train/out_of_memory.py's one line.
     local log=$runs/oom.log line
     if (cd "$language" && timeout -k 5 "$(left)" "${torchrun1[@]}" train.py "${GPT_MODEL[@]}" --batch_size 1024 \
         --max_steps 1 --output_dir "$runs/oom" >"$log" 2>&1); then
@@ -855,8 +857,8 @@ check_17() {
 import sys
 import torch
 sys.path.insert(0, ".")
-from ddp_utils import run
-from ddp_utils.dist import set_tf32
+from ddp_utils.train import run
+from ddp_utils.distributed.dist import set_tf32
 from task import TASK
 
 def readings():
@@ -910,8 +912,8 @@ check_18() {
 import sys
 import torch
 sys.path.insert(0, ".")
-from ddp_utils import run
-from ddp_utils.trainer import Trainer
+from ddp_utils.train import run
+from ddp_utils.train.trainer import Trainer
 from task import TASK
 
 train_step, seen = Trainer.train_step, []
@@ -997,7 +999,7 @@ import sys
 import torch
 
 sys.path.insert(0, sys.argv[1])
-from ddp_utils.flops import peak_tflops  # first: a machine without a GPU checks the import too
+from ddp_utils.observe.flops import peak_tflops  # first: a machine without a GPU checks the import too
 
 if not torch.cuda.is_available():
     sys.exit("gpu_check.sh: no CUDA GPU visible")
@@ -1008,7 +1010,7 @@ peaks = {"bf16": peak_tflops(name, "bf16", True), "fp16": peak_tflops(name, "fp1
 text = ", ".join(f"{k} {v:g}" for k, v in peaks.items())
 status = "ok" if peaks["bf16"] > 0 or peaks["fp16"] > 0 else "no peak in the table (MFU not reported; --peak_tflops)"
 print(f"{status} ({torch.cuda.device_count()} x {name!r}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
-      f"ddp_utils/flops.py peak TFLOP/s: {text})")
+      f"ddp_utils/observe/flops.py peak TFLOP/s: {text})")
 PY
 ) || exit 1
 runs=$(mktemp -d)

@@ -50,8 +50,8 @@ torch.cuda.memory._dump_snapshot = lambda *args, **kwargs: None
 torch.Tensor.backward = named("bench:backward", torch.Tensor.backward)
 F.cross_entropy = named("bench:loss", F.cross_entropy)
 try:  # the generated project's machinery; absent in a floor's run it is simply unused
-    from ddp_utils import dist as ddp_dist
-    from ddp_utils import strategy
+    from ddp_utils.distributed import dist as ddp_dist
+    from ddp_utils.parallel import strategy
 
     for cls in (strategy.DDPStrategy, strategy.FSDPStrategy):
         cls.clip_gradients = named("bench:clip", cls.clip_gradients)

@@ -54,7 +54,7 @@ def measure(args):
 
     import dataset
     from config import Config
-    from ddp_utils.data import build_loaders, start_epoch
+    from ddp_utils.data.loaders import build_loaders, start_epoch
 
     ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
     rates = {}

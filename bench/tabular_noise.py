@@ -45,7 +45,7 @@ def main():
     sys.path.insert(0, str(project))
     import dataset
     from config import Config
-    from ddp_utils.data import build_loaders, mix_seed, start_epoch
+    from ddp_utils.data.loaders import build_loaders, mix_seed, start_epoch
 
     data = dataset.SyntheticClassification(SAMPLES, 32, 4, seed=0, split="train", noise_std=0.1)
     data.set_epoch(1)

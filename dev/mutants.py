@@ -57,7 +57,7 @@ MUTANTS = [
     Mutant(
         "sampler_ignores_epoch",
         "every epoch sees the same order",
-        "ddp_utils/data.py",
+        "ddp_utils/data/loaders.py",
         "manual_seed(mix_seed(self.seed, self.epoch))",
         "manual_seed(mix_seed(self.seed, 0))",
         ("tests/test_data.py::test_epochs_and_seeds_change_the_order",),
@@ -65,7 +65,7 @@ MUTANTS = [
     Mutant(
         "no_sync_dropped",
         "gradients all-reduced on every micro-step",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "return contextlib.nullcontext() if sync else self.model.no_sync()",
         "return contextlib.nullcontext()",
         (f"{CORRECTNESS}::test_accumulation_all_reduces_once_per_optimizer_step",),
@@ -73,7 +73,7 @@ MUTANTS = [
     Mutant(
         "loss_not_divided_by_accumulation",
         "accumulated gradients are grad_accum_steps times too large",
-        "ddp_utils/trainer.py",
+        "ddp_utils/train/trainer.py",
         "self.scaler.scale(loss / accum if accum > 1 else loss).backward()",
         "self.scaler.scale(loss).backward()",
         (f"{CORRECTNESS}::test_world_size_and_accumulation_give_the_same_gradients",),
@@ -81,7 +81,7 @@ MUTANTS = [
     Mutant(
         "per_rank_mean_evaluation",
         "validation averages the ranks' averages",
-        "ddp_utils/evaluation.py",
+        "ddp_utils/train/evaluation.py",
         "        dist.all_reduce(totals)  # sums and counts, not an average of per-rank averages\n",
         "        totals[:-1] /= totals[-1]\n"
         "        dist.all_reduce(totals)\n"
@@ -91,7 +91,7 @@ MUTANTS = [
     Mutant(
         "padded_validation",
         "validation pads ranks to equal size (DistributedSampler)",
-        "ddp_utils/data.py",
+        "ddp_utils/data/loaders.py",
         "val_sampler = range(ctx.rank, len(val_set), ctx.world_size)",
         "val_sampler = [i % len(val_set) for i in range(ctx.rank, -(-len(val_set) // ctx.world_size) * "
         "ctx.world_size, ctx.world_size)]",
@@ -100,7 +100,7 @@ MUTANTS = [
     Mutant(
         "non_atomic_save",
         "checkpoints written in place",
-        "ddp_utils/files.py",
+        "ddp_utils/core/files.py",
         '    tmp = path.with_name(f".{WRITER}.{path.name}.tmp")\n    try:\n        with open(tmp, mode, **open_args) as f:',
         '    tmp = path.with_name(f".{WRITER}.{path.name}.tmp")\n    try:\n        with open(path, mode, **open_args) as f:',
         (f"{RESILIENCE}::test_a_crash_during_any_checkpoint_write_loses_nothing",),
@@ -108,7 +108,7 @@ MUTANTS = [
     Mutant(
         "non_atomic_last",
         "last.pt written in place after the numbered file",
-        "ddp_utils/checkpoint_files.py",
+        "ddp_utils/checkpoint/formats.py",
         "            _atomic_link(numbered, last, state)",
         "            torch.save(state, last)",
         (f"{RESILIENCE}::test_a_crash_during_any_checkpoint_write_loses_nothing",),
@@ -116,7 +116,7 @@ MUTANTS = [
     Mutant(
         "optimizer_not_restored",
         "resume starts AdamW's moments afresh",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "        optimizer.load_state_dict(saved)\n",
         "",
         (f"{RESILIENCE}::test_resume_mid_epoch_is_bit_identical",),
@@ -124,7 +124,7 @@ MUTANTS = [
     Mutant(
         "rng_not_restored",
         "resume restarts the random generators",
-        "ddp_utils/checkpoint.py",
+        "ddp_utils/checkpoint/checkpointer.py",
         '            set_rng_state(ranks[self.ctx.rank]["rng"])\n',
         "",
         (f"{RESILIENCE}::test_resume_mid_epoch_restores_the_random_generators",),
@@ -132,7 +132,7 @@ MUTANTS = [
     Mutant(
         "stop_decided_alone",
         "a rank acts on its own stop request without the others",
-        "ddp_utils/faults.py",
+        "ddp_utils/distributed/faults.py",
         "        return self.decide(agreement.result(), step, epoch)\n",
         "        self.decide(agreement.result(), step, epoch)\n        return bool(flags[0])  # this rank's stop request\n",
         (f"{CORRECTNESS}::test_stop_request_on_one_rank_stops_every_rank_together",),
@@ -140,7 +140,7 @@ MUTANTS = [
     Mutant(
         "non_finite_decided_alone",
         "the non-finite check uses this rank's loss only",
-        "ddp_utils/faults.py",
+        "ddp_utils/distributed/faults.py",
         "        return self.decide(agreement.result(), step, epoch)\n",
         "        agreed = agreement.result()\n"
         "        agreed[1] = float(flags[1])  # this rank's loss only\n"
@@ -158,7 +158,7 @@ MUTANTS = [
     Mutant(
         "clip_before_unscale",
         "fp16 gradients clipped while still loss-scaled",
-        "ddp_utils/trainer.py",
+        "ddp_utils/train/trainer.py",
         "            self.scaler.unscale_(self.optimizer)\n",
         "",
         (f"{CORRECTNESS}::test_clipping_sees_the_true_gradient_norm",),
@@ -174,7 +174,7 @@ MUTANTS = [
     Mutant(
         "store_prefix_removed",
         "restarted groups share store keys with dead ones",
-        "ddp_utils/dist.py",
+        "ddp_utils/distributed/dist.py",
         "        store = dist.PrefixStore(group_prefix(os.environ, world_size), store)\n",
         "",
         (f"{PREEMPTION}::test_each_restart_and_group_size_gets_its_own_store_keys",),
@@ -182,7 +182,7 @@ MUTANTS = [
     Mutant(
         "warmup_off_by_one",
         "the lr is computed before the step's samples are counted (step 1 at lr 0)",
-        "ddp_utils/trainer.py",
+        "ddp_utils/train/trainer.py",
         "        self.samples_seen += self.global_batch\n"
         "        for group in self.optimizer.param_groups:  # AdamW's at --lr, Muon's at --muon_lr\n"
         '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan, peak_lr(group, cfg))\n'
@@ -197,7 +197,7 @@ MUTANTS = [
     Mutant(
         "fp16_scale_floor_ignored",
         "fp16 goes on with a vanishing loss scale",
-        "ddp_utils/faults.py",
+        "ddp_utils/distributed/faults.py",
         "low_scale, skipped = new_scale < self.cfg.min_loss_scale, new_scale < scale",
         "low_scale, skipped = False, new_scale < scale",
         (f"{CORRECTNESS}::test_fp16_failure_stops_every_rank_with_one_line_naming_the_knobs",),
@@ -205,7 +205,7 @@ MUTANTS = [
     Mutant(
         "fp16_nan_loss_ignored",
         "a NaN loss under fp16 is taken for an overflow",
-        "ddp_utils/faults.py",
+        "ddp_utils/distributed/faults.py",
         "        if loss_not_finite or (grads_not_finite and not self.fp16):",
         "        if (loss_not_finite or grads_not_finite) and not self.fp16:",
         (f"{CORRECTNESS}::test_fp16_failure_stops_every_rank_with_one_line_naming_the_knobs",),
@@ -213,7 +213,7 @@ MUTANTS = [
     Mutant(
         "lr_on_steps",
         "the schedule runs on steps at the current global batch",
-        "ddp_utils/trainer.py",
+        "ddp_utils/train/trainer.py",
         '            group["lr"] = lr_at(self.samples_seen, cfg, self.plan, peak_lr(group, cfg))\n',
         '            group["lr"] = lr_at(self.step * self.global_batch + self.global_batch, cfg, self.plan, peak_lr(group, cfg))\n',
         (f"{RESILIENCE}::test_the_learning_rate_stays_on_course_when_the_world_size_changes",),
@@ -221,7 +221,7 @@ MUTANTS = [
     Mutant(
         "checkpoint_wait_in_a_collective",
         "ranks wait for rank 0's write in a collective",
-        "ddp_utils/checkpoint_files.py",
+        "ddp_utils/checkpoint/formats.py",
         '    error = store_barrier(ctx, f"checkpoint_step_{step}", error, timeout_seconds)\n',
         "    from .dist import any_rank\n\n    any_rank(error is not None, device=ctx.device)\n",
         (f"{PREEMPTION}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
@@ -245,7 +245,7 @@ MUTANTS = [
     Mutant(
         "fsdp_clip_per_shard",
         "fsdp: each rank clips its gradient shards by their own norm",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "        norm = clip_grad_norm(parameters, max_norm)\n",
         "        shards = [p.grad.to_local() for p in parameters]\n"
         "        norm = torch.nn.utils.get_total_norm(shards)\n"
@@ -255,7 +255,7 @@ MUTANTS = [
     Mutant(
         "ddp_clip_measures_only",
         "ddp: the gradients' norm is measured but never scaled down to --max_grad_norm",
-        "ddp_utils/optim.py",
+        "ddp_utils/optim/optimizer.py",
         "    if max_norm != math.inf:\n",
         "    if max_norm == math.inf:\n",
         (f"{CORRECTNESS}::test_clipping_sees_the_true_gradient_norm",),
@@ -263,7 +263,7 @@ MUTANTS = [
     Mutant(
         "agreement_drops_tensor_values",
         "on the CPU the step agreement sends its Python flags only: the loss and norm values are left out",
-        "ddp_utils/dist.py",
+        "ddp_utils/distributed/dist.py",
         "[float(value) for value in values]",
         "[0.0 if isinstance(value, torch.Tensor) else float(value) for value in values]",
         (f"{CORRECTNESS}::test_non_finite_loss_on_one_rank_stops_every_rank",),
@@ -271,7 +271,7 @@ MUTANTS = [
     Mutant(
         "doctor_misses_unused_parameters",
         "doctor.py reports every parameter as used",
-        "ddp_utils/doctor_checks.py",
+        "ddp_utils/doctor/checks.py",
         "    unused = [name for name, p in named if p.grad is None]\n",
         "    unused = []\n",
         ("tests/test_doctor.py::test_each_fault_is_named",),
@@ -279,7 +279,7 @@ MUTANTS = [
     Mutant(
         "doctor_resume_forgets_the_generators",
         "doctor.py's resume loads the model and AdamW but not the random generators",
-        "ddp_utils/doctor_equivalence.py",
+        "ddp_utils/doctor/equivalence.py",
         '    set_rng_state(saved["rng"])\n',
         "",
         ("tests/test_doctor.py::test_a_resume_that_is_not_exact_is_found",),
@@ -287,7 +287,7 @@ MUTANTS = [
     Mutant(
         "doctor_ranks_sum_their_gradients",
         "doctor.py's 2-process gradients are the ranks' sum, not DDP's average",
-        "ddp_utils/doctor_equivalence.py",
+        "ddp_utils/doctor/equivalence.py",
         "        (loss_fn(model(model_inputs(batch)), batch) / len(batches)).backward()\n",
         "        loss_fn(model(model_inputs(batch)), batch).backward()\n",
         ("tests/test_doctor.py::test_a_synchronised_norm_and_a_plain_model_are_the_same_on_one_process_and_two",),
@@ -295,7 +295,7 @@ MUTANTS = [
     Mutant(
         "doctor_plans_fsdp_unsharded",
         "doctor.py's memory plan gives fsdp the whole model state on every GPU",
-        "ddp_utils/doctor_memory.py",
+        "ddp_utils/doctor/memory.py",
         '"fsdp": (world_size,',
         '"fsdp": (1,',
         (f"{FSDP}::test_the_doctor_plans_the_model_state_each_process_held",),
@@ -303,7 +303,7 @@ MUTANTS = [
     Mutant(
         "doctor_data_ignores_the_rank",
         "doctor.py builds the training set as rank 0 twice",
-        "ddp_utils/doctor_equivalence.py",
+        "ddp_utils/doctor/equivalence.py",
         "            for rank in (0, 1):\n                with as_rank(rank, 2):\n",
         "            for rank in (0, 0):\n                with as_rank(rank, 2):\n",
         ("tests/test_doctor.py::test_data_that_depends_on_the_rank_is_found",),
@@ -311,7 +311,7 @@ MUTANTS = [
     Mutant(
         "doctor_scales_activations_with_the_batch",
         "doctor.py scales a few samples' activations to --batch_size, autocast's weight copies included",
-        "ddp_utils/doctor_memory.py",
+        "ddp_utils/doctor/memory.py",
         "    if len(half) != len(whole):\n",
         "    if True:\n",
         ("tests/test_doctor.py::test_activations_count_once_what_does_not_grow_with_the_batch",),
@@ -319,7 +319,7 @@ MUTANTS = [
     Mutant(
         "doctor_judges_ddp_whatever_the_strategy",
         "doctor.py's memory plan asks whether ddp fits, whatever --strategy says",
-        "ddp_utils/doctor_memory.py",
+        "ddp_utils/doctor/memory.py",
         '    if cfg.strategy == "ddp":\n',
         "    if True:\n",
         ("tests/test_doctor.py::test_the_configured_strategy_is_the_one_judged",),
@@ -327,7 +327,7 @@ MUTANTS = [
     Mutant(
         "doctor_fsdp_never_shards",
         "doctor.py's fsdp check steps the plain model twice: FSDP is never applied",
-        "ddp_utils/doctor_equivalence.py",
+        "ddp_utils/doctor/equivalence.py",
         "        sharded = build_strategy(cfg, context, build_model).model\n",
         "        sharded = build_module(cfg, build_model, cpu, on_meta=cfg.init_on_meta)\n",
         ("tests/test_doctor.py::test_a_parameter_used_outside_its_shard_unit_fails_under_fsdp",),
@@ -335,7 +335,7 @@ MUTANTS = [
     Mutant(
         "doctor_resume_skips_the_generators_position",
         "doctor.py's resume compares weights and AdamW, not where the random generators stand",
-        "ddp_utils/doctor_equivalence.py",
+        "ddp_utils/doctor/equivalence.py",
         "    for name, state in generators.items():\n",
         "    for name, state in {}.items():\n",
         ("tests/test_doctor.py::test_a_resume_that_is_not_exact_is_found",),
@@ -343,7 +343,7 @@ MUTANTS = [
     Mutant(
         "doctor_fsdp_steps_draw_other_dropout",
         "doctor.py's fsdp check draws the plain and the sharded step's dropout from one stream: a false fail",
-        "ddp_utils/doctor_equivalence.py",
+        "ddp_utils/doctor/equivalence.py",
         "                torch.manual_seed(STREAM)  # the same dropout in both\n",
         "",
         ("tests/test_doctor.py::test_a_parameter_used_outside_its_shard_unit_fails_under_fsdp",),
@@ -351,7 +351,7 @@ MUTANTS = [
     Mutant(
         "doctor_data_compares_nan_as_different",
         "doctor.py compares samples with torch.equal alone: a NaN in the data is a false fail",
-        "ddp_utils/doctor_checks.py",
+        "ddp_utils/doctor/checks.py",
         "    return torch.equal(x, y) or (x.is_floating_point() and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))\n",
         "    return torch.equal(x, y)\n",
         ("tests/test_doctor.py::test_data_that_depends_on_the_rank_is_found",),
@@ -359,7 +359,7 @@ MUTANTS = [
     Mutant(
         "doctor_processes_without_ddp",
         "doctor.py's 2 processes run the bare module: no gradient all-reduce, rank 0's half compared",
-        "ddp_utils/doctor_processes.py",
+        "ddp_utils/doctor/processes.py",
         '                job["loss_fn"](strategy.model(model_inputs(share)), share).backward()\n',
         '                job["loss_fn"](strategy.module(model_inputs(share)), share).backward()\n',
         ("tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",),
@@ -367,7 +367,7 @@ MUTANTS = [
     Mutant(
         "doctor_steps_compare_nothing",
         "doctor.py's 2 processes take their steps but nothing after them is compared",
-        "ddp_utils/doctor_processes.py",
+        "ddp_utils/doctor/processes.py",
         "        for kind, tensors in expected[stage].items():\n",
         "        for kind, tensors in {}.items():\n",
         ("tests/test_doctor.py::test_a_forward_that_changes_parameters_is_found_by_the_steps_of_two_processes",),
@@ -375,7 +375,7 @@ MUTANTS = [
     Mutant(
         "doctor_names_the_last_error",
         "doctor.py reports the rank that raised last: the peer's lost connection, not the cause",
-        "ddp_utils/doctor_processes.py",
+        "ddp_utils/doctor/processes.py",
         "min(errors, key=lambda error: error[-1])",
         "max(errors, key=lambda error: error[-1])",
         ("tests/test_doctor.py::test_the_rank_that_raised_is_named_not_the_peer_it_left",),
@@ -383,7 +383,7 @@ MUTANTS = [
     Mutant(
         "doctor_data_starts_at_the_resumed_epoch",
         "doctor.py's uninterrupted read starts at the resumed epoch: persistent workers see its epoch",
-        "ddp_utils/doctor_equivalence.py",
+        "ddp_utils/doctor/equivalence.py",
         "            read(loaders, 0, 1)\n",
         "",
         ("tests/test_doctor.py::test_a_resume_that_reads_other_data_is_found",),
@@ -391,7 +391,7 @@ MUTANTS = [
     Mutant(
         "doctor_data_resumes_at_the_start",
         "doctor.py's resumed loader starts the epoch over instead of past the batches done",
-        "ddp_utils/doctor_equivalence.py",
+        "ddp_utils/doctor/equivalence.py",
         "start=RESUMED_AT * global_batch)",
         "start=0)",
         ("tests/test_doctor.py::test_a_resume_that_reads_other_data_is_found",),
@@ -399,7 +399,7 @@ MUTANTS = [
     Mutant(
         "doctor_data_resume_forgets_the_generators",
         "doctor.py's resumed loader reads without the checkpoint's random generators: a false fail",
-        "ddp_utils/doctor_equivalence.py",
+        "ddp_utils/doctor/equivalence.py",
         "            set_rng_state(states[RESUMED_AT - 1])  # the checkpoint's",
         "            pass  # the checkpoint's",
         ("tests/test_doctor.py::test_a_resume_that_reads_other_data_is_found",),
@@ -407,7 +407,7 @@ MUTANTS = [
     Mutant(
         "clip_without_epsilon",
         "the loop's clipping divides by the norm without torch's 1e-6: not torch's result to the bit",
-        "ddp_utils/optim.py",
+        "ddp_utils/optim/optimizer.py",
         "max_norm / (norm + 1e-6)",
         "max_norm / norm",
         ("tests/test_train.py::test_clipping_is_torchs_to_the_bit",),
@@ -415,7 +415,7 @@ MUTANTS = [
     Mutant(
         "init_from_the_global_rng",
         "weights drawn from the global generator: a module-by-module start depends on the process's generator",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "        torch.manual_seed(mix_seed(seed, zlib.crc32(name.encode())))\n",
         "",
         (f"{FSDP}::test_both_strategies_start_from_the_weights_the_model_makes",),
@@ -423,7 +423,7 @@ MUTANTS = [
     Mutant(
         "fsdp_evaluation_not_in_step",
         "fsdp: a rank with fewer validation batches stops all-gathering before the others",
-        "ddp_utils/evaluation.py",
+        "ddp_utils/train/evaluation.py",
         "    if sharded:\n",
         "    if False:\n",
         (f"{FSDP}::test_fsdp_trains_the_same_parameters_as_ddp",),
@@ -431,7 +431,7 @@ MUTANTS = [
     Mutant(
         "async_save_not_awaited_on_stop",
         "fsdp: the process exits with its asynchronous checkpoint unfinished",
-        "ddp_utils/checkpoint.py",
+        "ddp_utils/checkpoint/checkpointer.py",
         "        if stopping:\n",
         "        if False:\n",
         (f"{FSDP}::test_sigterm_under_fsdp_saves_shards_and_resume_is_exact",),
@@ -485,7 +485,7 @@ MUTANTS = [
     Mutant(
         "dataloader_workers_die_on_sigterm",
         "DataLoader workers keep torch's SIGTERM handler: a stop signal kills them before the checkpoint",
-        "ddp_utils/data.py",
+        "ddp_utils/data/loaders.py",
         "        worker_init_fn=functools.partial(ignore_stop_signals, main_pid=os.getpid()),\n",
         "",
         (f"{PREEMPTION}::test_sigterm_to_torchrun_saves_mid_epoch_and_resume_is_exact",),
@@ -493,7 +493,7 @@ MUTANTS = [
     Mutant(
         "stop_status_lost",
         "after a signal stop the nodes exit with torchrun's 1, not 143: a preemption looks like a crash",
-        "ddp_utils/faults.py",
+        "ddp_utils/distributed/faults.py",
         "                write_stop_status(self.code)\n",
         "",
         (f"{PREEMPTION}::test_sigterm_to_one_node_stops_every_node_with_the_preemption_status",),
@@ -501,7 +501,7 @@ MUTANTS = [
     Mutant(
         "stalled_rank_ignores_the_stop",
         "a stalled rank logs the stop request but stays: torchrun kills it after its grace period",
-        "ddp_utils/faults.py",
+        "ddp_utils/distributed/faults.py",
         "                logging.shutdown()\n                os._exit(1)\n",
         "                self.stop.signum = 0  # noticed, then forgotten\n",
         ("tests/test_diagnosis.py::test_stalled_rank_fails_the_job_within_the_timeout_with_stacks",),
@@ -509,7 +509,7 @@ MUTANTS = [
     Mutant(
         "cpu_when_gpus_were_asked_for",
         "GPUs given but CUDA unusable: every rank trains on the CPU without a word",
-        "ddp_utils/dist.py",
+        "ddp_utils/distributed/dist.py",
         '    asked = "--device cuda" if device == "cuda" else gpus_requested(environ)',
         "    asked = None",
         ("tests/test_diagnosis.py::test_gpus_asked_for_but_cuda_unusable_stops_with_one_line",),
@@ -517,7 +517,7 @@ MUTANTS = [
     Mutant(
         "weight_decay_ignored",
         "--weight_decay silently ignored (AdamW built with 0)",
-        "ddp_utils/optim.py",
+        "ddp_utils/optim/optimizer.py",
         '"weight_decay": cfg.weight_decay}',
         '"weight_decay": 0.0}',
         ("tests/test_train.py::test_weight_decay_shrinks_matrices_and_never_biases_or_norms",),
@@ -525,7 +525,7 @@ MUTANTS = [
     Mutant(
         "weight_decay_on_norms_and_biases",
         "one weight decay for every parameter, LayerNorm gains and biases included",
-        "ddp_utils/optim.py",
+        "ddp_utils/optim/optimizer.py",
         '{"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0}',
         '{"params": [p for p in parameters if p.dim() < 2], "weight_decay": cfg.weight_decay}',
         ("tests/test_train.py::test_weight_decay_shrinks_matrices_and_never_biases_or_norms",),
@@ -533,7 +533,7 @@ MUTANTS = [
     Mutant(
         "one_group_state_misplaced",
         "an old one-group checkpoint's Adam moments go to the wrong parameters in the two groups",
-        "ddp_utils/checkpoint_files.py",
+        "ddp_utils/checkpoint/formats.py",
         "    new_index = {old_index[id(p)]: i for i, p in enumerate(ours)}",
         "    new_index = {i: i for i in range(len(ours))}",
         (f"{RESILIENCE}::test_checkpoint_of_the_one_group_optimizer_resumes_with_its_state",),
@@ -541,7 +541,7 @@ MUTANTS = [
     Mutant(
         "checkpoint_read_whole",
         "every rank reads the whole checkpoint into memory instead of mapping it",
-        "ddp_utils/checkpoint_files.py",
+        "ddp_utils/checkpoint/formats.py",
         'map_location="cpu", mmap=True,',
         'map_location="cpu",',
         (f"{RESILIENCE}::test_resume_maps_the_checkpoint_into_host_memory",),
@@ -549,7 +549,7 @@ MUTANTS = [
     Mutant(
         "staging_buffers_allocated_per_save",
         "fsdp: each asynchronous save stages into freshly allocated host memory (DCP's default stager)",
-        "ddp_utils/checkpoint_files.py",
+        "ddp_utils/checkpoint/formats.py",
         ", async_stager=stager)",
         ")",
         (f"{FSDP}::test_sigterm_under_fsdp_saves_shards_and_resume_is_exact",),
@@ -557,7 +557,7 @@ MUTANTS = [
     Mutant(
         "tf32_through_the_new_api_only",
         "TF32 set with torch's fp32_precision alone: the legacy flags, which Inductor reads, then raise",
-        "ddp_utils/dist.py",
+        "ddp_utils/distributed/dist.py",
         "    torch.backends.cuda.matmul.allow_tf32 = enabled\n"
         "    torch.backends.cudnn.allow_tf32 = enabled\n"
         '    torch.set_float32_matmul_precision("high" if enabled else "highest")\n',
@@ -569,7 +569,7 @@ MUTANTS = [
     Mutant(
         "hsdp_without_its_mesh",
         "fsdp shards over every process whatever --replicate_degree says (no 2-D mesh)",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "fully_shard(unit, mesh=self.mesh, ",
         "fully_shard(unit, ",
         (f"{FSDP}::test_hsdp_trains_the_same_parameters_as_ddp",),
@@ -577,7 +577,7 @@ MUTANTS = [
     Mutant(
         "hsdp_groups_with_default_timeout",
         "the device mesh's process groups get torch's default timeout, not --timeout_seconds",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         ",\n                                         backend_override=mesh_group_settings(names, cfg.timeout_seconds))",
         ")",
         (f"{FSDP}::test_hsdp_trains_the_same_parameters_as_ddp",),
@@ -585,7 +585,7 @@ MUTANTS = [
     Mutant(
         "user_init_thrown_away",
         "every module's reset_parameters() rerun after build_model: the model's own init is lost",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "            model = build_model(cfg).to(device)\n",
         "            model = build_model(cfg).to(device)\n"
         '            [m.reset_parameters() for m in model.modules() if hasattr(m, "reset_parameters")]\n',
@@ -595,7 +595,7 @@ MUTANTS = [
     Mutant(
         "fsdp_always_from_meta",
         "fsdp initialises module by module on the meta device even for a model without init_weights",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "on_meta=cfg.init_on_meta, shard=shard)",
         "on_meta=True, shard=shard)",
         (f"{FSDP}::test_both_strategies_start_from_the_weights_the_model_makes",),
@@ -604,7 +604,7 @@ MUTANTS = [
     Mutant(
         "keep_checkpoints_ignored_for_one_file",
         "--keep_checkpoints ignored for single-file (ddp) checkpoints: no step file is ever pruned",
-        "ddp_utils/checkpoint_files.py",
+        "ddp_utils/checkpoint/formats.py",
         'sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]',
         "[]",
         (f"{RESILIENCE}::test_only_the_newest_checkpoints_are_kept",),
@@ -638,7 +638,7 @@ MUTANTS = [
     Mutant(
         "data_error_after_output_dir",
         "bad data is found after logging has created output_dir (the old path: a logged ERROR, train.log written)",
-        "ddp_utils/run.py",
+        "ddp_utils/train/run.py",
         "    datasets, notes = check_inputs(task, cfg, ctx)\n",
         "    setup_logging(ctx, cfg.output_dir)\n    datasets, notes = check_inputs(task, cfg, ctx)\n",
         ("tests/test_task.py::test_missing_data_is_one_line_naming_the_flag",),
@@ -688,7 +688,7 @@ MUTANTS = [
     Mutant(
         "bad_samples_reported_one_at_a_time",
         "the scan for bad samples stops at the first rank's problems: the others' are lost",
-        "ddp_utils/data.py",
+        "ddp_utils/data/loaders.py",
         "return dict(sorted(item for problems in everyone for item in problems.items()))",
         "return dict(sorted(everyone[0].items()))",
         ("tests/test_data.py::test_bad_samples_are_found_on_every_rank_and_reported_or_skipped_together",),
@@ -712,7 +712,7 @@ MUTANTS = [
     Mutant(
         "init_from_applied_again_on_resume",
         "a resumed fine-tune loads the pretrained folder over its own checkpoint's weights",
-        "ddp_utils/trainer.py",
+        "ddp_utils/train/trainer.py",
         "self.checkpointer.restore_rank(state, self.loss_totals)",
         "self.checkpointer.restore_rank(state, self.loss_totals)\n"
         "        load_full_weights(self.strategy.module, self.task.pretrained_weights(self.cfg))",
@@ -721,7 +721,7 @@ MUTANTS = [
     Mutant(
         "fsdp_shards_get_no_pretrained_weights",
         "under fsdp the pretrained weights are skipped: the shards keep the model's own initialisation",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "    with torch.no_grad():\n        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:",
         "    with torch.no_grad():\n        for name, tensor in [*module.named_parameters(), *module.named_buffers()][:0]:",
         ("tests/test_task.py::test_a_fine_tuned_gpt2_exports_a_folder_transformers_loads[fsdp]",),
@@ -729,7 +729,7 @@ MUTANTS = [
     Mutant(
         "sampling_draws_from_the_training_generator",
         "a text sample draws from the training's random generator: the dropout masks after it change",
-        "ddp_utils/evaluation.py",
+        "ddp_utils/train/evaluation.py",
         "with torch.random.fork_rng(devices=devices), torch.no_grad():",
         "with torch.no_grad():",
         ("tests/test_task.py::test_fine_tuning_resumes_exactly_after_sigterm_without_loading_the_folder_again",),
@@ -737,7 +737,7 @@ MUTANTS = [
     Mutant(
         "sampling_leaves_the_model_in_eval_mode",
         "after a text sample the model stays in evaluation mode: dropout is off for the rest of the run",
-        "ddp_utils/evaluation.py",
+        "ddp_utils/train/evaluation.py",
         "        finally:\n            model.train()",
         "        finally:\n            pass",
         ("tests/test_task.py::test_fine_tuning_resumes_exactly_after_sigterm_without_loading_the_folder_again",),
@@ -769,7 +769,7 @@ MUTANTS = [
     Mutant(
         "fsdp_mesh_on_the_accelerator",
         "fsdp's one-dimension mesh on torch's accelerator (cuda wherever a GPU is visible), not on --device",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "self.mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))",
         "self.mesh = init_device_mesh(torch._C._get_accelerator().type, (ctx.world_size,))",
         (
@@ -780,7 +780,7 @@ MUTANTS = [
     Mutant(
         "fsdp_gradients_unsharded_until_the_last_micro_step",
         "fsdp accumulates the whole unsharded gradient on every rank, reduce-scattered on the last micro-step only",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "        if self.mesh.ndim > 1:\n            self.model.set_requires_all_reduce(sync)\n",
         "        self.model.set_requires_gradient_sync(sync)\n",
         (f"{FSDP}::test_fsdp_accumulates_gradients_as_shards",),
@@ -788,7 +788,7 @@ MUTANTS = [
     Mutant(
         "hsdp_dimensions_share_group_options",
         "both dimensions of HSDP's mesh made with one process-group options object",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "return {name: group_settings(timeout_seconds) for name in names}",
         "return dict.fromkeys(names, group_settings(timeout_seconds))",
         (f"{FSDP}::test_each_mesh_dimension_gets_its_own_group_options",),
@@ -796,7 +796,7 @@ MUTANTS = [
     Mutant(
         "fsdp_clip_per_tensor",
         "clipping fsdp's DTensor gradients told not to use torch's foreach kernels: a norm per tensor",
-        "ddp_utils/optim.py",
+        "ddp_utils/optim/optimizer.py",
         "return torch.nn.utils.clip_grad_norm_(parameters, max_norm)",
         "return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=False)",
         (f"{FSDP}::test_clipping_sharded_gradients_takes_torchs_foreach_kernels",),
@@ -812,7 +812,7 @@ MUTANTS = [
     Mutant(
         "single_use_stager_reused",
         "under torch 2.11 one DCP stager for every asynchronous save: the second save raises KeyError",
-        "ddp_utils/compat.py",
+        "ddp_utils/core/compat.py",
         '        return "self._state_dict_stager.close()" not in inspect.getsource(stager_class._stage)\n',
         "        return True\n",
         (f"{FSDP}::test_a_stager_that_stages_once_is_told_apart",),
@@ -820,7 +820,7 @@ MUTANTS = [
     Mutant(
         "fp16_scale_read_to_the_host",
         "fp16's loss scale read to the host twice every optimizer step (GradScaler.get_scale)",
-        "ddp_utils/precision.py",
+        "ddp_utils/core/precision.py",
         "    return scaler._get_scale_async().clone()\n",
         "    return torch.tensor(scaler.get_scale())\n",
         ("tests/test_experiments.py::test_log_steps_show_gradient_norm_and_fp16_loss_scale",),
@@ -828,7 +828,7 @@ MUTANTS = [
     Mutant(
         "peak_tflops_by_prefix",
         "the MFU peak matched by the device name's beginning: a MIG slice gets the whole GPU's peak",
-        "ddp_utils/flops.py",
+        "ddp_utils/observe/flops.py",
         "    peaks = PEAK_TFLOPS.get(device_name.strip())\n",
         "    peaks = next((p for name, p in PEAK_TFLOPS.items() if device_name.startswith(name)), None)\n",
         ("tests/test_observability.py::test_peak_tflops_match_the_exact_device_and_precision",),
@@ -836,7 +836,7 @@ MUTANTS = [
     Mutant(
         "doctor_builds_the_model_for_the_gpu",
         "on a GPU host the doctor's CPU checks build the model as a GPU run would (torch's SyncBatchNorm)",
-        "ddp_utils/doctor.py",
+        "ddp_utils/doctor/run.py",
         '    gpu_cfg, cfg = cfg, dataclasses.replace(cfg, device="cpu")\n',
         "    gpu_cfg = cfg\n",
         ("tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",),
@@ -853,7 +853,7 @@ MUTANTS = [
     Mutant(
         "progress_line_every_step",
         "without a progress bar, rank 0 prints a progress line after every step, not once an interval",
-        "ddp_utils/metrics.py",
+        "ddp_utils/observe/metrics.py",
         "    return every > 0 and now + step_seconds - last_line >= every\n",
         "    return every > 0\n",
         ("tests/test_progress.py::test_progress_lines_from_rank_zero_once_per_interval",),
@@ -870,7 +870,7 @@ MUTANTS = [
         "flop_count_failure_escapes",
         "a model whose forward cannot run on the meta device (Hugging Face's mask code) crashes the run "
         "where MFU is reported, instead of training without it",
-        "ddp_utils/flops.py",
+        "ddp_utils/observe/flops.py",
         "flops_per_sample=counted_flops(cfg, task, one_sample) if peak > 0 else 0,",
         "flops_per_sample=flops_per_sample(cfg, task, one_sample) if peak > 0 else 0,",
         ("tests/test_observability.py::test_nothing_outside_the_step_stops_a_run",),
@@ -878,7 +878,7 @@ MUTANTS = [
     Mutant(
         "doctor_tolerance_loosened",
         "the doctor compares float64 runs at 1e-1 of the largest entry, not 1e-10: subtle faults pass",
-        "ddp_utils/doctor_numerics.py",
+        "ddp_utils/doctor/numerics.py",
         "EXACT = 1e-10",
         "EXACT = 1e-1",
         (
@@ -889,7 +889,7 @@ MUTANTS = [
     Mutant(
         "doctor_float32_tolerance_loosened",
         "a model that computes in float32 inside is compared at 1e-2, not 1e-6: a fault under 1% passes",
-        "ddp_utils/doctor_numerics.py",
+        "ddp_utils/doctor/numerics.py",
         "TOLERANCES = {torch.float32: 1e-6,",
         "TOLERANCES = {torch.float32: 1e-2,",
         ("tests/test_doctor.py::test_two_processes_are_judged_at_the_precision_the_model_computes_in",),
@@ -915,7 +915,7 @@ MUTANTS = [
     Mutant(
         "loader_restacks_gathered_batches",
         "the loaders default-collate a dataset's one-gather Batch: unbound and stacked again sample by sample",
-        "ddp_utils/data.py",
+        "ddp_utils/data/loaders.py",
         "        collate_fn=collate,\n",
         "",
         ("tests/test_task.py::test_a_training_batch_is_the_datasets_one_gather_not_restacked_sample_by_sample",),
@@ -933,7 +933,7 @@ MUTANTS = [
     Mutant(
         "folder_claim_dropped",
         "a run never claims its output folder: a second run trains beside the first",
-        "ddp_utils/folder_claim.py",
+        "ddp_utils/train/folder_claim.py",
         """            if _create(path, me):
                 return cls(path, me, note)""",
         """            if True:
@@ -943,7 +943,7 @@ MUTANTS = [
     Mutant(
         "dead_owner_claim_kept",
         "a claim whose process is gone (a SIGKILL of the whole job) locks the folder for ever",
-        "ddp_utils/folder_claim.py",
+        "ddp_utils/train/folder_claim.py",
         "        return None if process_alive(owner) else f\"its process {owner['pid']} no longer exists\"",
         "        return None",
         (f"{CLAIM}::test_after_a_sigkill_of_the_whole_job_the_same_command_takes_over_and_resumes_exactly",),
@@ -951,7 +951,7 @@ MUTANTS = [
     Mutant(
         "stale_remote_claim_kept",
         "a claim from another machine that nobody renews (its host lost) locks the folder for ever",
-        "ddp_utils/folder_claim.py",
+        "ddp_utils/train/folder_claim.py",
         "    if age is None or age < STALE_SECONDS:",
         "    if True:",
         (f"{CLAIM}::test_a_claim_from_another_machine_not_renewed_is_taken_over",),
@@ -959,7 +959,7 @@ MUTANTS = [
     Mutant(
         "half_written_save_not_cleared",
         "fsdp: a save killed half-way leaves its temporary folder, and saving that step again after the resume fails",
-        "ddp_utils/checkpoint_files.py",
+        "ddp_utils/checkpoint/formats.py",
         "        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way\n",
         "",
         ("tests/test_chaos.py",),
@@ -967,7 +967,7 @@ MUTANTS = [
     Mutant(
         "full_disk_not_named",
         "a save that fills the disk stops with torch's 'unexpected pos' instead of the free and needed space",
-        "ddp_utils/checkpoint_space.py",
+        "ddp_utils/checkpoint/space.py",
         "reason = out_of_space(error, folder, checkpoint)",
         "reason = None",
         (
@@ -978,7 +978,7 @@ MUTANTS = [
     Mutant(
         "muon_rows_reassembled_out_of_order",
         "fsdp: Muon puts each matrix's rows together in the wrong ranks' order (no error says so)",
-        "ddp_utils/optim.py",
+        "ddp_utils/optim/optimizer.py",
         "wholes = {p: torch.cat([rows[rank][i] for rank in ranks])",
         "wholes = {p: torch.cat([rows[rank][i] for rank in reversed(ranks)])",
         ("tests/test_muon.py::test_fsdp_orthogonalises_whole_matrices_and_trains_ddps_parameters_under_muon",),
@@ -986,7 +986,7 @@ MUTANTS = [
     Mutant(
         "muon_state_outside_the_checkpoint",
         "Muon's momentum kept beside the optimizer's state: a resume starts it from zero",
-        "ddp_utils/optim.py",
+        "ddp_utils/optim/optimizer.py",
         '                if "momentum_buffer" not in self.state[p]:\n'
         '                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)\n'
         "            if stepped:\n"
@@ -1001,7 +1001,7 @@ MUTANTS = [
     Mutant(
         "muon_gram_on_the_large_side",
         "Newton-Schulz on a tall matrix as it is: its Gram matrix the large side (torch's bits lost)",
-        "ddp_utils/optim.py",
+        "ddp_utils/optim/optimizer.py",
         "    x = matrices.mT if tall else matrices  # rows <= columns: the Gram matrices are the small side",
         "    x, tall = matrices, False",
         ("tests/test_muon.py::test_the_update_is_torch_optim_muons_to_the_bit",),
@@ -1009,7 +1009,7 @@ MUTANTS = [
     Mutant(
         "muon_every_rank_every_matrix",
         "ddp: every rank orthogonalises every matrix (the same result, the work not shared)",
-        "ddp_utils/optim.py",
+        "ddp_utils/optim/optimizer.py",
         "        elif process_group is not None:",
         "        elif False:",
         ("tests/test_muon.py::test_each_rank_orthogonalises_its_share_of_the_matrices",),
@@ -1017,7 +1017,7 @@ MUTANTS = [
     Mutant(
         "muon_lr_ignored",
         "Muon's matrices at --lr: --muon_lr has no effect",
-        "ddp_utils/optim.py",
+        "ddp_utils/optim/optimizer.py",
         'return cfg.muon_lr if group.get("muon") else cfg.lr',
         "return cfg.lr",
         ("tests/test_muon.py::test_muons_matrices_follow_the_schedule_at_muon_lr_and_the_rest_at_lr",),
@@ -1025,7 +1025,7 @@ MUTANTS = [
     Mutant(
         "full_collections_left_on",
         "automatic full garbage collections left on while training (a pause on every rank mid-step)",
-        "ddp_utils/collector.py",
+        "ddp_utils/core/collector.py",
         "        gc.set_threshold(young, middle, NEVER)",
         "        gc.set_threshold(*self.thresholds)",
         ("tests/test_train.py::test_no_full_garbage_collection_runs_inside_the_training_steps",),
@@ -1033,7 +1033,7 @@ MUTANTS = [
     Mutant(
         "fsdp_whole_model_compiled",
         "fsdp --compile: the whole sharded model compiled, a graph break at every FSDP2 hook",
-        "ddp_utils/strategy.py",
+        "ddp_utils/parallel/strategy.py",
         "        for unit in (shard_units(self.model) or [self.model]) if cfg.compile else ():",
         "        for unit in [self.model] if cfg.compile else ():",
         ("tests/test_observability.py::test_compile_trains_and_matches_eager_closely",),
@@ -1041,7 +1041,7 @@ MUTANTS = [
     Mutant(
         "taken_over_run_writes_on",
         "a run whose folder was taken over while it stalled goes on writing checkpoints and metrics into the new owner's folder",
-        "ddp_utils/files.py",
+        "ddp_utils/core/files.py",
         "    problem = _fence() if _fence is not None else None",
         "    problem = None",
         (f"{CLAIM}::test_a_run_whose_folder_was_taken_over_stops_and_the_new_owner_ends_as_if_alone",),
@@ -1049,7 +1049,7 @@ MUTANTS = [
     Mutant(
         "claim_never_renewed",
         "a running job never renews its claim: any other job on another machine takes its folder after the staleness",
-        "ddp_utils/folder_claim.py",
+        "ddp_utils/train/folder_claim.py",
         "                os.utime(self.path)",
         "                pass",
         (f"{CLAIM}::test_a_training_run_renews_its_claim_on_the_file_systems_clock",),
@@ -1057,7 +1057,7 @@ MUTANTS = [
     Mutant(
         "claim_renewed_too_slowly",
         "the claim's heartbeat slowed past the staleness (every 150 s, stale after 120 s)",
-        "ddp_utils/folder_claim.py",
+        "ddp_utils/train/folder_claim.py",
         "BEAT_SECONDS = 10  # how often the owner renews its claim",
         "BEAT_SECONDS = 150  # how often the owner renews its claim",
         (f"{CLAIM}::test_a_training_run_renews_its_claim_on_the_file_systems_clock",),
@@ -1065,7 +1065,7 @@ MUTANTS = [
     Mutant(
         "dead_rank_waited_for",
         "a rank waiting at a checkpoint's barrier never looks at the others' heartbeats: a dead partner keeps it until torchrun's kill",
-        "ddp_utils/store_waits.py",
+        "ddp_utils/distributed/store_waits.py",
         "            watched, gone = now, _heartbeats.gone()",
         "            watched, gone = now, []",
         (
@@ -1075,7 +1075,7 @@ MUTANTS = [
     Mutant(
         "out_of_memory_unnamed",
         "CUDA out of memory is torch's traceback on every rank, not one line with the phase and the knobs",
-        "ddp_utils/out_of_memory.py",
+        "ddp_utils/train/out_of_memory.py",
         "            raise OutOfMemory(out_of_memory_line(self.cfg, self.ctx, step, phase)) from None",
         "            raise",
         ("tests/test_out_of_memory.py",),
@@ -1083,7 +1083,7 @@ MUTANTS = [
     Mutant(
         "peer_error_after_out_of_memory_reported",
         "the rank whose collective broke when its peer ran out of memory logs its own traceback too",
-        "ddp_utils/faults.py",
+        "ddp_utils/distributed/faults.py",
         "        return store is not None and store.check([FAILED_KEY])",
         "        return False",
         ("tests/test_out_of_memory.py::test_one_rank_out_of_memory_stops_every_rank_at_once",),
@@ -1091,7 +1091,7 @@ MUTANTS = [
     Mutant(
         "out_of_memory_keeps_the_claim",
         "a run stopped by out of memory keeps its folder claim: the next start on another machine waits for the staleness",
-        "ddp_utils/folder_claim.py",
+        "ddp_utils/train/folder_claim.py",
         "            at_exit_now(self.release)",
         "            pass",
         ("tests/test_out_of_memory.py::test_out_of_memory_in_each_phase_is_one_line_naming_where_and_what_helps",),
@@ -1099,7 +1099,7 @@ MUTANTS = [
     Mutant(
         "pruned_trial_not_stopped",
         "a trial the pruner stops is only marked pruned: its run trains on to its last step",
-        "ddp_utils/sweep.py",
+        "ddp_utils/sweep/run.py",
         """                if outcome is not None:
                     stop(process)""",
         """                if outcome is not None:
@@ -1109,7 +1109,7 @@ MUTANTS = [
     Mutant(
         "dead_workers_trial_lost",
         "a trial whose worker died is marked failed but never run again: its parameters are lost",
-        "ddp_utils/sweep.py",
+        "ddp_utils/sweep/run.py",
         """        if again:
             first = t.user_attrs.get("retry_of", t.number)""",
         """        if False:
@@ -1119,7 +1119,7 @@ MUTANTS = [
     Mutant(
         "trial_outlives_its_worker",
         "a SIGKILLed worker's trial trains on, unowned (no PR_SET_PDEATHSIG on its launcher)",
-        "ddp_utils/sweep_trial.py",
+        "ddp_utils/sweep/trial.py",
         "            preexec_fn=die_with_parent,",
         "            preexec_fn=None,",
         (f"{SWEEP}::test_every_trial_ends_with_its_reason_and_none_is_lost",),

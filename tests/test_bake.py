@@ -306,7 +306,7 @@ def test_other_amp_defaults_train(cookies, amp):
 
 
 def test_an_install_adds_the_machinery_and_no_generic_top_level_module(default_project, tmp_path):
-    """`pip install .` (not editable) installs the whole ddp_utils package and nothing else at the
+    """`pip install .` (not editable) installs the whole ddp_utils package, every folder of it, and nothing else at the
     top level: the files at the project's root (config.py, model.py, task.py, ...) are the
     user's and run from the project's folder; installed, `config` or `model` would collide with
     any other module of that name. Every ddp_utils module imports from the installed copy."""
@@ -316,8 +316,13 @@ def test_an_install_adds_the_machinery_and_no_generic_top_level_module(default_p
     assert result.returncode == 0, result.stderr[-3000:]
     installed = sorted(p.name for p in target.iterdir() if not p.name.endswith((".dist-info", ".egg-info")))
     assert installed == ["ddp_utils"], installed
-    machinery = sorted(f"ddp_utils.{p.stem}" for p in (default_project / "ddp_utils").glob("*.py"))
-    assert sorted(f"ddp_utils.{p.stem}" for p in (target / "ddp_utils").glob("*.py")) == machinery
+
+    def modules(root):  # every module of the package, its folders' too, as dotted names
+        return sorted(".".join(p.relative_to(root).with_suffix("").parts) for p in (root / "ddp_utils").rglob("*.py"))
+
+    machinery = modules(default_project)
+    assert len({m.rpartition(".")[0] for m in machinery}) > 5, machinery  # the package's folders are seen
+    assert modules(target) == machinery
     code = "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]"
     env = {**os.environ, "PYTHONPATH": str(target)}
     result = run(["python", "-c", code, *machinery], cwd=tmp_path, env_override=env)  # not the project folder

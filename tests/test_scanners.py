@@ -173,7 +173,7 @@ def bandit(project, *options):
     assert result.returncode in (0, 1) and result.stdout.strip(), result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["errors"] == [], report["errors"]  # a file it could not parse would go unscanned
-    assert "./train.py" in report["metrics"] and "./ddp_utils/doctor_processes.py" in report["metrics"]
+    assert "./train.py" in report["metrics"] and "./ddp_utils/doctor/processes.py" in report["metrics"]
     return [(r["filename"], r["test_id"], r["line_range"][0]) for r in report["results"]]
 
 
@@ -188,4 +188,4 @@ def test_bandit_would_find_the_doctors_pickle_its_nosec_justifies(projects):
     found = bandit(projects["tabular"], "--ignore-nosec")
     ((filename, test_id, line),) = found
     source = (projects["tabular"] / filename).read_text().splitlines()[line - 1]
-    assert (filename, test_id) == ("./ddp_utils/doctor_processes.py", "B301") and "pickle.load(" in source
+    assert (filename, test_id) == ("./ddp_utils/doctor/processes.py", "B301") and "pickle.load(" in source

@@ -3,6 +3,7 @@ of the user's, by any import (function-local ones too), and no module imports it
 through others (no import cycles); the files at the root say whose they are."""
 
 import ast
+import re
 
 import pytest
 from conftest import TASKS, bake_ok
@@ -78,7 +79,7 @@ def project(request, cookies_session):
 
 def test_the_machinery_imports_no_user_file_and_nothing_imports_back(project):
     graph = import_graph(project)
-    assert "ddp_utils.trainer" in graph and "task" in graph  # the graph sees the package and the root
+    assert "ddp_utils.train.trainer" in graph and "task" in graph  # the graph sees the package and the root
     for name, imported in graph.items():
         if name.split(".")[0] == "ddp_utils":
             outside = sorted(other for other in imported if other.split(".")[0] != "ddp_utils")
@@ -108,14 +109,64 @@ def test_each_root_file_says_whose_it_is(project):
             assert len(path.read_text().splitlines()) <= 30, f"{path.name} is an entry point: thin"
 
 
-def test_the_package_map_lists_every_module_above_what_it_imports(project):
-    """ddp_utils/__init__.py's map: every module once, each importing only modules below it."""
-    doc = ast.get_docstring(ast.parse((project / "ddp_utils" / "__init__.py").read_text()))
-    listed = [line.split()[0][: -len(".py")] for line in doc.splitlines() if line.split()[:1] and
-              line.split()[0].endswith(".py") and line.startswith("    ")]  # fmt: skip
-    modules = sorted(p.stem for p in (project / "ddp_utils").glob("*.py") if p.stem != "__init__")
-    assert sorted(listed) == modules
-    graph = import_graph(project)
-    for position, name in enumerate(listed):
-        above = {f"ddp_utils.{other}" for other in listed[: position + 1]}
-        assert not graph[f"ddp_utils.{name}"] & above, f"{name} imports {graph[f'ddp_utils.{name}'] & above}"
+def part_of(module):
+    """The part of ddp_utils a module belongs to: its folder (`ddp_utils.train`) or, at the top,
+    the module itself (`ddp_utils.knobs`); None outside the package or for the package itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "ddp_utils" and len(parts) > 1 else None
+
+
+def parts_graph(graph):
+    """{part: the other parts its modules import}: the import direction between folders."""
+    parts = {}
+    for name, imported in graph.items():
+        if part_of(name):
+            own = parts.setdefault(part_of(name), set())
+            own |= {part_of(other) for other in imported if part_of(other) and part_of(other) != part_of(name)}
+    return parts
+
+
+def listed_in(init):
+    """The names an __init__.py's docstring map lists: lines that open with a module (`x.py`)
+    or a folder (`x/`) and two spaces or more before what it does; without the suffix."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    return [m.group(1) for m in re.finditer(r"(?m)^\s*(\w+)(?:\.py|/)  +\S", doc)]
+
+
+def upward_imports(listed, parts):
+    """Each part listed (top floor first) imports only parts listed below it: the violations."""
+    return [f"{name} imports {sorted(parts.get(f'ddp_utils.{name}', set()) & {f'ddp_utils.{o}' for o in listed[: i + 1]})}"
+            for i, name in enumerate(listed)
+            if parts.get(f"ddp_utils.{name}", set()) & {f"ddp_utils.{o}" for o in listed[: i + 1]}]  # fmt: skip
+
+
+def test_the_package_map_lists_every_folder_above_what_it_imports(project):
+    """ddp_utils/__init__.py's map: one line per folder or top-level module, floor by floor, each
+    importing only the parts below it; each folder's __init__.py lists its own modules."""
+    package = project / "ddp_utils"
+    listed = listed_in(package / "__init__.py")
+    actual = sorted([p.stem for p in package.glob("*.py") if p.stem != "__init__"] +
+                    [p.parent.name for p in package.glob("*/__init__.py")])  # fmt: skip
+    assert sorted(listed) == actual
+    assert len([p for p in package.glob("*/__init__.py")]) >= 8, "the machinery is in folders by concern"
+    for init in sorted(package.glob("*/__init__.py")):
+        modules = sorted(p.stem for p in init.parent.glob("*.py") if p.stem != "__init__")
+        assert sorted(listed_in(init)) == modules, f"{init.parent.name}/__init__.py lists {listed_in(init)}"
+        assert not list(init.parent.glob("*/__init__.py")), f"{init.parent.name}/ has folders of its own: one floor"
+    problems = upward_imports(listed, parts_graph(import_graph(project)))
+    assert not problems, problems
+
+
+def test_the_folder_checker_sees_an_import_back_up(tmp_path):
+    """A module of a lower folder importing a higher one is named, so the rule above can fail."""
+    for folder in ("low", "high"):
+        (tmp_path / "ddp_utils" / folder).mkdir(parents=True)
+        (tmp_path / "ddp_utils" / folder / "__init__.py").write_text("")
+    (tmp_path / "ddp_utils" / "__init__.py").write_text('"""Map.\n\n    high/  above\n    low/   below\n"""\n')
+    (tmp_path / "ddp_utils" / "high" / "a.py").write_text("from ..low import b\n")
+    (tmp_path / "ddp_utils" / "low" / "b.py").write_text("x = 1\n")
+    listed = listed_in(tmp_path / "ddp_utils" / "__init__.py")
+    assert listed == ["high", "low"]
+    assert upward_imports(listed, parts_graph(import_graph(tmp_path))) == []
+    (tmp_path / "ddp_utils" / "low" / "b.py").write_text("def f():\n    from ..high.a import g\n")
+    assert upward_imports(listed, parts_graph(import_graph(tmp_path))) == ["low imports ['ddp_utils.high']"]

@@ -1,5 +1,5 @@
 """Sweep Config fields with Optuna: each trial a training run of the task (task.py) through
-scripts/launch.sh. Machinery: ddp_utils/sweep.py; this file only hands it the task.
+scripts/launch.sh. Machinery: ddp_utils/sweep/run.py; this file only hands it the task.
 Needs the sweep extra: pip install -e ".[sweep]". docs/sweeps.md has the file's keys.
 
     python sweep.py experiments/sweep_lr_adamw.toml            # a worker; start as many as you like

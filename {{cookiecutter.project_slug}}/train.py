@@ -1,5 +1,5 @@
 """Train the task (task.py) with PyTorch DistributedDataParallel, or fully sharded (--strategy
-fsdp). Machinery: ddp_utils/run.py starts the loop (ddp_utils/trainer.py); this file only hands
+fsdp). Machinery: ddp_utils/train/run.py starts the loop (ddp_utils/train/trainer.py); this file only hands
 it the task.
 
 The same script runs as one process or many:
@@ -11,7 +11,7 @@ The same script runs as one process or many:
 
 import sys
 
-from ddp_utils.run import main
+from ddp_utils.train import main
 from task import TASK
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ the model says nothing about sharding: the template must find its blocks by itse
 from dataclasses import dataclass
 
 import torch
-from ddp_utils.knobs import ConfigError, knob
+from ddp_utils.errors import ConfigError
+from ddp_utils.knobs import knob
 from torch import nn
 
 SHAPE_FIELDS = ("input_dim", "d_model", "num_classes")

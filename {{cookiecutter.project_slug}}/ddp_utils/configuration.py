@@ -23,9 +23,11 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .contract import resolved
-from .files import FolderLost, write_atomically
-from .knobs import ConfigError, OneLineParser, exit_with_error
-from .trackers import TRACKERS
+from .core.files import write_atomically
+from .core.logs import exit_with_error
+from .errors import ConfigError, FolderLost
+from .knobs import OneLineParser
+from .observe.trackers import TRACKERS
 
 
 class RunConfig:

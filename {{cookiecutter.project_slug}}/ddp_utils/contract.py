@@ -7,7 +7,7 @@ docstring is the one list of what the machinery reads; nothing else is looked up
 
 Required, as keywords:
 - `config`: the Config dataclass (config.py) with every knob of a run. Its bases ModelConfig
-  and DataConfig may define `check_model()`/`check_data()` (raise `knobs.ConfigError` naming
+  and DataConfig may define `check_model()`/`check_data()` (raise `errors.ConfigError` naming
   the flag) and `resolve_model()`/`resolve_data()` (a dict of fields filled in from the data,
   e.g. a vocabulary size of 0); all four are optional.
 - `build_model(cfg) -> nn.Module`: built as written, with torch seeded by --seed, under ddp
@@ -16,7 +16,7 @@ Required, as keywords:
   or list, or a dict of tensors (nested too): the loop moves any of them to the device
   (`to_device`), counts samples by their first dimension (`count_samples`), and hands the model
   `model_inputs(batch)`: a tuple's or list's first element, a dict's "inputs", or the batch.
-  A bad setting or missing data: raise `knobs.ConfigError` (naming the flag) or `InputError`.
+  A bad setting or missing data: raise `errors.ConfigError` (naming the flag) or `InputError`.
 
 Optional, as keywords (the default after the colon):
 - `loss_fn(output, batch)`: the mean training loss: cross-entropy against the targets (a
@@ -42,7 +42,7 @@ Optional on the model object (looked up on the module build_model returns):
 - `same_buffers_on_every_rank = True` on a submodule whose buffers are kept equal across ranks
   by the module itself (as torch's SyncBatchNorm does): DDP need not resend them.
 - `muon_parameters()`: the parameters --optimizer muon gives Muon (the rest go to AdamW): the
-  hidden Linear and convolution weights (ddp_utils/optim.py hidden_layers).
+  hidden Linear and convolution weights (ddp_utils/optim/optimizer.py hidden_layers).
 
 Optional on the datasets:
 - `data_state()` (training set): what a prediction needs from the training data (label names,
@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .knobs import ConfigError
+from .errors import ConfigError
 
 CONFIG_HOOKS = ("check_model", "resolve_model", "check_data", "resolve_data")
 MODEL_HOOKS = ("shard_units", "init_weights", "same_buffers_on_every_rank", "muon_parameters")

@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_files import load_checkpoint, load_sharded_checkpoint
+from .checkpoint.formats import load_checkpoint, load_sharded_checkpoint
 from .configuration import RENAMED
 from .contract import build_on_meta
-from .faults import CheckpointError
-from .files import write_atomically
-from .knobs import ConfigError, exit_with_error
-from .logs import rank_zero_only
+from .core.files import write_atomically
+from .core.logs import exit_with_error, rank_zero_only
+from .errors import CheckpointError, ConfigError
 
 
 def consolidated(task, path):

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .knobs import exit_with_error
+from .core.logs import exit_with_error
 
 
 def pick_device(name):

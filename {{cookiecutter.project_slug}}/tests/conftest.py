@@ -32,9 +32,9 @@ import task_settings  # noqa: E402 (tests/task_settings.py: what the tests must 
 
 from config import Config  # noqa: E402
 from ddp_utils.configuration import parse_config  # noqa: E402
-from ddp_utils.doctor_checks import halves, to_float64  # noqa: E402
-from ddp_utils.doctor_equivalence import gradients  # noqa: E402
-from ddp_utils.doctor_numerics import TOLERANCES, Tolerance, watching_casts  # noqa: E402
+from ddp_utils.doctor.checks import halves, to_float64  # noqa: E402
+from ddp_utils.doctor.equivalence import gradients  # noqa: E402
+from ddp_utils.doctor.numerics import TOLERANCES, Tolerance, watching_casts  # noqa: E402
 from task import TASK  # noqa: E402
 
 # Small and fast: every test trains for real, so keep the task tiny: 1024 training and 256
@@ -314,13 +314,13 @@ TIMINGS = {
 def run_tolerance():
     """How closely two float64 runs of TINY that split the work differently (world size,
     accumulation, sharding) must agree, relative: judged as the doctor judges its 1 vs 2
-    processes row (ddp_utils/doctor_equivalence.py), exact where the model's runs agree exactly.
+    processes row (ddp_utils/doctor/equivalence.py), exact where the model's runs agree exactly.
 
     Their sums differ in order only, ~1e-16 each: after 32 steps the GPT's and a Llama's
     parameters and metrics agree to 1e-13, so 1e-9, far below any fault (a loss not averaged, a
     sample seen twice, an evaluation that averages the ranks' averages). A model that computes
     in a lower precision inside whatever it is given gets that precision's tolerance (the
-    doctor's, ddp_utils/doctor_numerics.py; float32: 1e-6) only where that changes what a split
+    doctor's, ddp_utils/doctor/numerics.py; float32: 1e-6) only where that changes what a split
     of the work computes: the gradients of a batch and of its two halves are compared in float64
     at the doctor's EXACT, and must differ by more. A Mamba's scan in float32 sums over the batch
     in float32 (its runs' metrics differ by 5e-8): 1e-6. A Llama's RMSNorm casts each token to

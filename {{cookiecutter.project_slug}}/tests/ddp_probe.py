@@ -1,4 +1,4 @@
-"""Run the training (ddp_utils.trainer.main) of the task with one fault or instrument installed
+"""Run the training (ddp_utils.train.trainer.main) of the task with one fault or instrument installed
 (tests only).
 
     torchrun --nproc_per_node=2 tests/ddp_probe.py PROBE[,PROBE...] [train.py arguments]
@@ -23,7 +23,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import task  # noqa: E402
-from ddp_utils import faults, run, strategy, trainer  # noqa: E402
+from ddp_utils.distributed import faults
+from ddp_utils.parallel import strategy
+from ddp_utils.train import (
+    run,
+    trainer,  # noqa: E402
+)
 
 RANK = int(os.environ.get("RANK", 0))
 LAST_RANK = int(os.environ.get("WORLD_SIZE", 1)) - 1
@@ -171,7 +176,7 @@ def slow_until_released():
 def fast_claim():
     """The folder claim renewed every 0.5 s and stale after 3 s (not 10 and 120 s): a test can
     stall a run past the staleness, and another job take its folder over, in seconds."""
-    from ddp_utils import folder_claim
+    from ddp_utils.train import folder_claim
 
     folder_claim.BEAT_SECONDS, folder_claim.STALE_SECONDS = 0.5, 3
 
@@ -357,7 +362,7 @@ def eval_only():
 
 
 def on_clip(record):
-    """Wrap the clipping both strategies call (ddp_utils.optim.clip_grad_norm) so that
+    """Wrap the clipping both strategies call (ddp_utils.optim.optimizer.clip_grad_norm) so that
     `record(parameters, total_norm)` sees every call."""
     original = strategy.clip_grad_norm
 
@@ -669,7 +674,7 @@ class WithBadSamples(Wrapped):
 def count_orthogonalised():
     """Every rank prints, at the end, how many matrices it orthogonalised in each optimizer step
     (Muon's newton_schulz, wrapped): a rank's share of Muon's work."""
-    from ddp_utils import optim
+    from ddp_utils.optim import optimizer as optim
 
     counts = []
     newton_schulz = optim.newton_schulz
@@ -706,7 +711,7 @@ def count_orthogonalised():
 def record_group_lrs():
     """Rank 0 prints each optimizer step's learning rates, per parameter group (and whether the
     group is Muon's), as the step runs."""
-    from ddp_utils import optim
+    from ddp_utils.optim import optimizer as optim
 
     seen = []
     for optimizer_class in (torch.optim.AdamW, optim.MuonWithAdamW):
@@ -730,7 +735,7 @@ def record_full_collections():
     micro-step, as a leaky cache would: under Python's own thresholds full collections follow."""
     import gc
 
-    from ddp_utils import collector
+    from ddp_utils.core import collector
 
     kept, state = [], {"training": False, "ours": False, "outside": 0, "by_collector": 0}
 

@@ -61,7 +61,7 @@ def chaos_args(steps):
     line and its step's checkpoint: the resume must drop the line and write it again), an
     asynchronous sharded checkpoint every step, the newest 2 kept. A worker whose partner
     was killed while it waited for it at a checkpoint's barrier sees the partner's heartbeat
-    stop and leaves within seconds (ddp_utils/store_waits.py Heartbeats), with the default
+    stop and leaves within seconds (ddp_utils/distributed/store_waits.py Heartbeats), with the default
     --checkpoint_timeout_seconds."""
     return ["--amp", "none", "--strategy", "fsdp", "--async_checkpoint", "true", "--max_steps", str(steps),
             "--eval_every_steps", "4", "--checkpoint_every_steps", "1", "--keep_checkpoints", "2"]  # fmt: skip

@@ -6,7 +6,7 @@ from conftest import PROJECT, run_training
 
 from config import Config
 from ddp_utils.configuration import parse_config
-from ddp_utils.knobs import ConfigError
+from ddp_utils.errors import ConfigError
 
 CONTRACT_FIELDS = "seed epochs batch_size lr num_workers amp grad_accum_steps output_dir resume".split()
 CONTRACT_FIELDS += ["max_steps", "eval_every_steps", "train_samples", "val_samples"]

@@ -26,7 +26,7 @@ from conftest import (
 from torch.utils.data import Dataset, get_worker_info
 
 from config import Config
-from ddp_utils.data import build_loaders, start_epoch
+from ddp_utils.data.loaders import build_loaders, start_epoch
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp  # exact comparisons need --amp none; set per run below

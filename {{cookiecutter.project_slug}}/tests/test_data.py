@@ -7,7 +7,7 @@ from conftest import TINY_CONFIG, read_metrics, run_training
 from ddp_probe import BAD_SAMPLES
 
 from config import Config
-from ddp_utils.data import ShardedSampler, build_loaders
+from ddp_utils.data.loaders import ShardedSampler, build_loaders
 
 
 def global_batches(num_samples, global_batch, world_size, epoch=0, seed=0):

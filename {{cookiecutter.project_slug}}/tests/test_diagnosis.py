@@ -13,7 +13,10 @@ import torch
 from conftest import PROJECT, TINY, run_training, training_env
 
 from config import Config
-from ddp_utils import comm_model, dist, faults, preflight_checks
+from ddp_utils.distributed import dist, faults
+from ddp_utils.errors import PreflightError
+from ddp_utils.preflight import checks as preflight_checks
+from ddp_utils.preflight import comm_model
 
 
 @pytest.mark.fixed_amp
@@ -152,7 +155,7 @@ def test_tf32_leaves_both_of_torchs_apis_readable_and_agreeing():
     refuses to read the legacy flags once only the new API was set; Inductor, cuDNN and other
     libraries read them). A fresh process: the settings are global."""
     check = (
-        "import torch\nfrom ddp_utils.dist import set_tf32\n"
+        "import torch\nfrom ddp_utils.distributed.dist import set_tf32\n"
         "for enabled in (True, False, True):\n"
         "    set_tf32(enabled)\n"
         "    assert torch.backends.cuda.matmul.allow_tf32 is enabled\n"
@@ -299,8 +302,8 @@ def test_the_preflight_names_the_network_nccl_chose():
 
 def test_place_checks_catch_inconsistent_launch_variables(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(preflight_checks.PreflightError, match="outside WORLD_SIZE"):
+    with pytest.raises(PreflightError, match="outside WORLD_SIZE"):
         preflight_checks.check_place({"RANK": 4, "LOCAL_RANK": 0, "WORLD_SIZE": 4})
-    with pytest.raises(preflight_checks.PreflightError, match="no multiple"):
+    with pytest.raises(PreflightError, match="no multiple"):
         preflight_checks.check_place({"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 3})
     assert "rank 1 of 4" in preflight_checks.check_place({"RANK": 1, "LOCAL_RANK": 1, "WORLD_SIZE": 4})

@@ -32,7 +32,9 @@ from conftest import (
     wait_for,
 )
 
-from ddp_utils import checkpoint_files, doctor_memory, export
+from ddp_utils import export
+from ddp_utils.checkpoint import formats as checkpoint_files
+from ddp_utils.doctor import memory as doctor_memory
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp  # compared with the reference runs, which set --amp none

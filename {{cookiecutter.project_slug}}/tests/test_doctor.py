@@ -29,8 +29,12 @@ from doctor_models import (
 from torch import nn
 
 from config import Config
-from ddp_utils import doctor, doctor_checks, doctor_equivalence, doctor_memory, doctor_processes
 from ddp_utils.configuration import parse_config
+from ddp_utils.doctor import checks as doctor_checks
+from ddp_utils.doctor import equivalence as doctor_equivalence
+from ddp_utils.doctor import memory as doctor_memory
+from ddp_utils.doctor import processes as doctor_processes
+from ddp_utils.doctor import run as doctor
 from task import TASK
 
 
@@ -232,7 +236,8 @@ import json, sys
 import torch
 from torch.utils._pytree import tree_map_only
 from config import Config
-from ddp_utils import doctor, doctor_memory
+from ddp_utils.doctor import run as doctor
+from ddp_utils.doctor import memory as doctor_memory
 from ddp_utils.configuration import parse_config
 from task import TASK
 from ddp_utils.contract import count_samples, model_inputs

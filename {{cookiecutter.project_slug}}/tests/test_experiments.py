@@ -22,7 +22,7 @@ from conftest import (
 
 from config import Config
 from ddp_utils.configuration import parse_config
-from ddp_utils.metrics import Reporter
+from ddp_utils.observe.metrics import Reporter
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp

@@ -1,4 +1,4 @@
-"""One run owns its output folder (ddp_utils/folder_claim.py): a second run into a live folder
+"""One run owns its output folder (ddp_utils/train/folder_claim.py): a second run into a live folder
 is refused and the first ends as if alone; a dead owner's claim is taken over; an earlier start
 of the same job is waited for; each launcher names its job."""
 
@@ -28,8 +28,9 @@ from conftest import (
     wait_for,
 )
 
-from ddp_utils import folder_claim
-from ddp_utils.folder_claim import CLAIM_FILE, Claim, ClaimRefused, job_identity
+from ddp_utils.errors import ClaimRefused
+from ddp_utils.train import folder_claim
+from ddp_utils.train.folder_claim import CLAIM_FILE, Claim, job_identity
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 

@@ -34,15 +34,17 @@ from ddp_probe import InFloat64
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from config import Config
-from ddp_utils import doctor, doctor_memory, export
-from ddp_utils.checkpoint_files import check_sharded_checkpoint
-from ddp_utils.compat import stager_reusable
+from ddp_utils import export
+from ddp_utils.checkpoint.formats import check_sharded_checkpoint
 from ddp_utils.configuration import parse_config
 from ddp_utils.contract import model_inputs
-from ddp_utils.dist import DistContext
-from ddp_utils.doctor_numerics import TOLERANCES
-from ddp_utils.knobs import ConfigError
-from ddp_utils.strategy import build_module, hsdp_replicas, mesh_group_settings
+from ddp_utils.core.compat import stager_reusable
+from ddp_utils.distributed.dist import DistContext
+from ddp_utils.doctor import memory as doctor_memory
+from ddp_utils.doctor import run as doctor
+from ddp_utils.doctor.numerics import TOLERANCES
+from ddp_utils.errors import ConfigError
+from ddp_utils.parallel.strategy import build_module, hsdp_replicas, mesh_group_settings
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp  # comparisons need --amp none
@@ -427,7 +429,7 @@ def test_clipping_sharded_gradients_takes_torchs_foreach_kernels(monkeypatch, gr
     DTensor as a foreach type), and gives the same norm and gradients as the plain model's."""
     from torch.distributed.fsdp import fully_shard
 
-    from ddp_utils.optim import clip_grad_norm
+    from ddp_utils.optim.optimizer import clip_grad_norm
 
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))

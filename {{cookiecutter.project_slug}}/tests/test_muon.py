@@ -6,7 +6,7 @@ matrices, never on a shard), resume after SIGTERM and after a SIGKILL of the who
 (both optimizers' state in the checkpoint), resume on another world size stays on course, fp16
 skips an overflowing step, the doctor passes, and a checkpoint of one optimizer is refused by
 the other. In float64, as the reference runs of the other tests (conftest.ReferenceRuns):
-Newton-Schulz then runs in float64 too (ddp_utils/optim.py newton_schulz)."""
+Newton-Schulz then runs in float64 too (ddp_utils/optim/optimizer.py newton_schulz)."""
 
 import functools
 import json
@@ -40,8 +40,8 @@ from conftest import (
 )
 from test_fsdp import final_weights
 
-from ddp_utils.optim import build_optimizer
-from ddp_utils.schedule import Plan, lr_at
+from ddp_utils.optim.lr_schedule import Plan, lr_at
+from ddp_utils.optim.optimizer import build_optimizer
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp  # exact comparisons need --amp none

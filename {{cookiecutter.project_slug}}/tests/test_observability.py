@@ -17,7 +17,7 @@ import torch
 from conftest import PROJECT, TINY, TINY_CONFIG, probe_output, read_metrics, run_training, training_env
 
 from config import Config
-from ddp_utils import flops, metrics
+from ddp_utils.observe import flops, metrics
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp

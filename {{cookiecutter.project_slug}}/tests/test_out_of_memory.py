@@ -1,4 +1,4 @@
-"""Out of GPU memory, named (ddp_utils/out_of_memory.py): torch's own OutOfMemoryError, raised
+"""Out of GPU memory, named (ddp_utils/train/out_of_memory.py): torch's own OutOfMemoryError, raised
 by a probe in each phase of a step (tests/ddp_probe.py out_of_memory), stops the run with one
 line that names the rank, the step, the phase and the knobs that help; the last checkpoint
 is left as it was and the output folder let go of. Under torchrun every rank stops at once,
@@ -12,8 +12,8 @@ from conftest import ARGS, ONE, TINY, TWO, run_training
 
 from config import Config
 from ddp_utils.configuration import parse_config
-from ddp_utils.folder_claim import CLAIM_FILE
-from ddp_utils.out_of_memory import plan_settings
+from ddp_utils.train.folder_claim import CLAIM_FILE
+from ddp_utils.train.out_of_memory import plan_settings
 
 PHASES = {
     "forward": "in the forward",

@@ -1,6 +1,6 @@
 """Without a progress bar (stdout not a terminal), rank 0 is never silent for long: a line at
 least every --progress_every_seconds with the step of the planned total, the time per step, the
-time left and a loss (ddp_utils/metrics.py: ProgressLine). Its only effect is that line."""
+time left and a loss (ddp_utils/observe/metrics.py: ProgressLine). Its only effect is that line."""
 
 import logging
 import math
@@ -13,7 +13,7 @@ import torch
 from conftest import assert_same_parameters, read_metrics, run_training
 
 from config import Config
-from ddp_utils import metrics
+from ddp_utils.observe import metrics
 
 DURATION = r"\d+\.\ds|\d+m\d\ds|\d+h\d\dm"  # metrics.format_duration
 LINE = re.compile(

@@ -30,8 +30,8 @@ from conftest import (
     start_from,
 )
 
-from ddp_utils import checkpoint_files
-from ddp_utils.faults import CheckpointError
+from ddp_utils.checkpoint import formats as checkpoint_files
+from ddp_utils.errors import CheckpointError
 from model import ModelConfig
 from task import TASK
 

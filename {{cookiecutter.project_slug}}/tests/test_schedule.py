@@ -1,11 +1,11 @@
-"""The learning-rate schedule: a pure function of samples trained (ddp_utils/schedule.py)."""
+"""The learning-rate schedule: a pure function of samples trained (ddp_utils/optim/lr_schedule.py)."""
 
 import math
 
 import pytest
 
 from config import Config
-from ddp_utils.schedule import Plan, lr_at
+from ddp_utils.optim.lr_schedule import Plan, lr_at
 
 
 def test_warmup_is_linear_up_to_lr():

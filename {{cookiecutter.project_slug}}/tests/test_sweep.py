@@ -16,7 +16,7 @@ from conftest import LR, PROJECT, TINY_CONFIG, read_metrics, run_training, train
 
 from config import Config
 from ddp_utils.configuration import toml_value
-from ddp_utils.sweep import main as sweep_main
+from ddp_utils.sweep.run import main as sweep_main
 from task import TASK
 
 pytest.importorskip("optuna", reason='sweeps need the sweep extra: pip install -e ".[sweep]"')
@@ -207,8 +207,8 @@ def test_bad_sweep_files_are_one_line(tmp_path, capsys, knob, extra, message):
 def test_the_example_sweep_files_are_valid(path, monkeypatch):
     """experiments/sweep_*.toml read as sweep.py reads them: every knob and flag a Config field."""
 
-    from ddp_utils.knobs import InputError
-    from ddp_utils.sweep_file import read_sweep
+    from ddp_utils.errors import InputError
+    from ddp_utils.sweep.file import read_sweep
 
     monkeypatch.chdir(PROJECT)  # the files' paths are relative to the project folder
     try:

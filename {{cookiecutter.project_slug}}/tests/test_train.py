@@ -23,9 +23,9 @@ from conftest import (
 )
 
 from config import Config
-from ddp_utils import compat
-from ddp_utils.checkpoint import same_optimizer_implementation
-from ddp_utils.optim import clip_grad_norm
+from ddp_utils.checkpoint.checkpointer import same_optimizer_implementation
+from ddp_utils.core import compat
+from ddp_utils.optim.optimizer import clip_grad_norm
 from task import TASK
 
 # The machinery's and val_loss, which every task reports (its other metrics are its own).

@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import Dataset
 
 from ddp_utils.data import mix_seed
-from ddp_utils.knobs import ConfigError, knob
+from ddp_utils.errors import ConfigError
+from ddp_utils.knobs import knob
 from language.tokenizer import describe
 
 DEFAULT_DATA_DIR = "data/text"

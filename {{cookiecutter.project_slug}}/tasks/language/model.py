@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ddp_utils.contract import build_on_meta
-from ddp_utils.knobs import ConfigError, knob
+from ddp_utils.errors import ConfigError
+from ddp_utils.knobs import knob
 from language import hf_gpt2
 from language.tokenizer import from_text
 
@@ -156,7 +157,7 @@ class GPT(nn.Module):
     def init_weights(self, name, module):
         """GPT-2's initialisation of one module's own parameters (LayerNorm keeps PyTorch's); each
         residual projection is scaled by 1/sqrt(2 x n_layer) so the residual stream's variance
-        does not grow with depth (two branches add to it per block). ddp_utils/strategy.py calls it module
+        does not grow with depth (two branches add to it per block). ddp_utils/parallel/strategy.py calls it module
         by module, from generators seeded by name, so a meta-device start gives the same weights."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj") else 0.02

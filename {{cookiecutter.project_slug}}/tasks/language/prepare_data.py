@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ddp_utils.knobs import InputError, OneLineParser, exit_with_error
+from ddp_utils.errors import InputError
+from ddp_utils.knobs import OneLineParser, exit_with_error
 from language.tokenizer import ByteTokenizer, JsonTokenizer, token_dtype, train_bpe
 
 # Left out of the default corpus: installed packages, the test suites (huge and repetitive)

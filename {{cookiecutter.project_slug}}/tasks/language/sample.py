@@ -11,8 +11,9 @@ import argparse
 
 import torch
 
+from ddp_utils.errors import InputError
 from ddp_utils.inference import load_trained, pick_device
-from ddp_utils.knobs import InputError, OneLineParser, exit_with_error
+from ddp_utils.knobs import OneLineParser, exit_with_error
 from language.tokenizer import describe, from_text
 from model import build_model, generate
 

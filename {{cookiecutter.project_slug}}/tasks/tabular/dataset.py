@@ -12,7 +12,7 @@ predict.py reads new rows the way training did.
 
 To train on other data, return your Datasets from `build_datasets` (each item an
 `(input, target)` pair) and add the knobs your data needs to DataConfig. The split across
-ranks, per-rank seeding and exact evaluation (ddp_utils/data.py) work unchanged for any map-style
+ranks, per-rank seeding and exact evaluation (ddp_utils/data/loaders.py) work unchanged for any map-style
 Dataset.
 """
 
@@ -26,7 +26,8 @@ import torch
 from torch.utils.data import Dataset
 
 from ddp_utils.data import Batch, mix_seed
-from ddp_utils.knobs import ConfigError, knob
+from ddp_utils.errors import ConfigError
+from ddp_utils.knobs import knob
 
 # The synthetic data's sizes, where a field is left at 0.
 SYNTHETIC = {"train_samples": 16384, "val_samples": 2048, "input_dim": 32, "num_classes": 4}

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_utils.contract import classification_metrics, classification_sums, cross_entropy, targets
-from ddp_utils.knobs import ConfigError, knob
+from ddp_utils.errors import ConfigError
+from ddp_utils.knobs import knob
 
 # A checkpoint to resume must match these (the other fields may change between runs).
 SHAPE_FIELDS = ("input_dim", "hidden_dim", "num_classes", "target_kind")

@@ -14,8 +14,9 @@ import sys
 import torch
 
 from dataset import read_table, standardise
+from ddp_utils.errors import InputError
 from ddp_utils.inference import load_trained
-from ddp_utils.knobs import InputError, exit_with_error
+from ddp_utils.knobs import exit_with_error
 from model import build_model
 
 

@@ -14,7 +14,7 @@ import csv
 import sys
 from pathlib import Path
 
-from ddp_utils.files import write_atomically
+from ddp_utils.core.files import write_atomically
 
 
 def main(argv=None):

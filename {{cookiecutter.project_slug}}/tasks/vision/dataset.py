@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
+from ddp_utils.core.logs import warn_main
 from ddp_utils.data import mix_seed
-from ddp_utils.knobs import ConfigError, knob
-from ddp_utils.logs import warn_main
+from ddp_utils.errors import ConfigError
+from ddp_utils.knobs import knob
 
 DEMO_DATA_DIR = "data/images"  # where prepare_data.py writes the digits (its --output_dir default)
 # Every suffix of a format Pillow can open (not those it can only save, such as .pdf).

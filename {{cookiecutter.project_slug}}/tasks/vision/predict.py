@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from dataset import class_names, load_image, preprocess
+from ddp_utils.errors import ConfigError
 from ddp_utils.inference import load_trained, pick_device
-from ddp_utils.knobs import ConfigError
 from model import build_model
 
 

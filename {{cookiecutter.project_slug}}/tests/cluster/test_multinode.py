@@ -20,7 +20,7 @@ from conftest import LR, PROJECT, TINY, read_metrics
 from nodes import LAUNCH, PORT, TIMEOUT, assert_same_as, describe, launch_env, run_nodes, start_here, start_on
 
 from config import Config
-from ddp_utils.schedule import Plan, lr_at
+from ddp_utils.optim.lr_schedule import Plan, lr_at
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 

@@ -20,7 +20,7 @@ import torch
 from conftest import PROJECT, TINY, load_final_model, read_metrics
 from slurm_cluster import FINISHED, slurm_fixture  # noqa: F401 (slurm_fixture: the `slurm` fixture)
 
-from ddp_utils import dist
+from ddp_utils.distributed import dist
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 

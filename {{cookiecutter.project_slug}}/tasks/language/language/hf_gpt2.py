@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ddp_utils.faults import CheckpointError
-from ddp_utils.files import replace_folder
-from ddp_utils.knobs import ConfigError
+from ddp_utils.core.files import replace_folder
+from ddp_utils.errors import CheckpointError, ConfigError
 
 # GPT-2's module names -> this GPT's (one part of a dotted name at a time).
 OURS = {"wte": "tok_emb", "wpe": "pos_emb", "h": "blocks", "c_attn": "qkv", "c_proj": "proj", "c_fc": "fc"}

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from ddp_utils.knobs import InputError
+from ddp_utils.errors import InputError
 
 BYTES = "bytes"
 

@@ -27,9 +27,9 @@ from conftest import (
 
 from config import Config
 from dataset import TokenWindows
-from ddp_utils import flops
 from ddp_utils.configuration import parse_config
-from ddp_utils.knobs import ConfigError
+from ddp_utils.errors import ConfigError
+from ddp_utils.observe import flops
 from model import build_model
 from task import TASK
 

@@ -17,9 +17,9 @@ from torch.utils.data import default_collate
 import dataset
 from config import Config
 from dataset import SyntheticClassification, build_datasets
-from ddp_utils import flops
 from ddp_utils.configuration import parse_config
-from ddp_utils.data import build_loaders, start_epoch
+from ddp_utils.data.loaders import build_loaders, start_epoch
+from ddp_utils.observe import flops
 from task import TASK
 
 # The TINY run's flags without its table (tests/task_settings.py): the synthetic data.

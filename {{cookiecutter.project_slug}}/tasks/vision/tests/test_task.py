@@ -19,8 +19,8 @@ import dataset
 import prepare_data
 from config import Config
 from dataset import build_datasets, load_image
-from ddp_utils.knobs import ConfigError
-from ddp_utils.strategy import buffers_may_differ
+from ddp_utils.errors import ConfigError
+from ddp_utils.parallel.strategy import buffers_may_differ
 from model import SyncBatchNorm2d, build_model
 
 pytestmark = pytest.mark.fixed_amp

@@ -1,0 +1,367 @@
+"""Checkpoints on disk: written whole or not at all, found newest first, read back checked.
+
+- ddp: one file, `checkpoints/step_000000040.pt`, written by rank 0 to a temporary name and
+  renamed; `last.pt` is a second name (a hard link) for the newest.
+- fsdp: one folder per checkpoint, every rank writing its shards in parallel (DCP), renamed when
+  complete; `last` is a symbolic link to the newest.
+A damaged checkpoint is skipped for an older one, with a warning; none readable is an error,
+never a silent fresh start.
+"""
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..core.files import fenced, remove_leftovers, replace_folder, write_atomically
+from ..core.logs import rank_zero_only, warn_main
+from ..distributed.store_waits import store_barrier
+from ..errors import CheckpointError, FolderLost
+from .space import SPACE_ERRNOS, first_line, one_file_bytes, save_failure, sharded_bytes, tensor_bytes
+
+
+def save_checkpoint(ctx, state, checkpoint_dir, step, keep, timeout_seconds):
+    """Write `state` as last.pt (and step_<step>.pt) atomically; call on every rank.
+
+    Global rank 0 writes; the others wait for it through the store, for up to `timeout_seconds`
+    (not --timeout_seconds: a large checkpoint on a slow file system takes its time). A failed
+    write stops every rank with the same error instead of a hang; a full disk is said in plain
+    words, with the space free and needed (checkpoint_space.save_failure).
+    """
+    error = _write_checkpoint(state, Path(checkpoint_dir), step, keep)
+    error = store_barrier(ctx, f"checkpoint_step_{step}", error, timeout_seconds)
+    if error:
+        raise CheckpointError(error)
+
+
+@rank_zero_only
+def _write_checkpoint(state, checkpoint_dir, step, keep):
+    """Each step that changes what the folder holds (the file in place, `last.pt`, pruning) is
+    fenced: a run whose folder was taken over stops before it, its own temporary file removed."""
+    try:
+        fenced()
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        last = checkpoint_dir / "last.pt"
+        if keep == 0:
+            _atomic_save(state, last)
+        else:
+            numbered = checkpoint_dir / f"step_{step:09d}.pt"
+            _atomic_save(state, numbered)
+            # last.pt is a second name for the same file: no second write, still atomic.
+            _atomic_link(numbered, last, state)
+            fenced()
+            for old in sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]:
+                old.unlink()
+        remove_leftovers(checkpoint_dir)  # a save killed half-way, by this run or an earlier one
+        _fsync_dir(checkpoint_dir)
+    except FolderLost as lost:  # the new owner's files are left as they are
+        return str(lost)
+    except Exception as error:  # OSError, or torch.save's RuntimeError when the disk fills mid-write
+        # The temporary file is gone (write_atomically): the free space is what the save found.
+        return save_failure(checkpoint_dir, step, error, one_file_bytes(tensor_bytes(state)), keep)
+    return None
+
+
+def _atomic_save(state, path):
+    write_atomically(path, lambda f: torch.save(state, f))
+
+
+def _atomic_link(target, path, state):
+    tmp = path.with_name(f".{path.name}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(target, tmp)
+    except OSError as error:  # a file system without hard links: write the state again
+        if error.errno in SPACE_ERRNOS:  # not for a full disk, where it fails again, slowly
+            raise
+        _atomic_save(state, path)
+    else:
+        try:
+            fenced()
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path):
+    """Load one checkpoint; a damaged or foreign one raises CheckpointError naming it.
+
+    A file (--strategy ddp) is the whole state. A folder (--strategy fsdp) gives the trainer's
+    state only, after checking that every shard its metadata names is there in full; the
+    model and optimizer shards are read later, by every rank (load_sharded_checkpoint).
+
+    The file is memory-mapped on the host, not read: each process copies what it needs from
+    it (onto its GPU, with load_state_dict), and the pages are the operating system's file
+    cache, shared by the processes of a node; nothing is first put whole on any GPU.
+    """
+    path = Path(path)
+    try:
+        if path.is_dir():
+            check_sharded_checkpoint(path)
+            path = path / "trainer.pt"
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:  # truncated zip, unpickling error, wrong format, I/O error
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(error).__name__}: {error})") from None
+
+
+def checkpoint_candidates(checkpoint_dir):
+    """Every checkpoint in `checkpoint_dir`, newest first: by the step in its name, `last.pt`
+    (or the folder `last` links to) before the numbered checkpoint it is the newest of. A
+    folder holding both kinds (--strategy switched) is ordered by step across them."""
+    checkpoint_dir = Path(checkpoint_dir)
+    numbered = [(int(p.name.removesuffix(".pt").removeprefix("step_")), 0, p) for p in checkpoint_dir.glob("step_*")
+                if p.name.removesuffix(".pt").removeprefix("step_").isdigit()]  # fmt: skip
+    ordered = list(numbered)
+    for name in ("last.pt", "last"):
+        last = checkpoint_dir / name
+        if last.exists():
+            same_kind = [(step, path) for step, _, path in numbered if path.is_dir() == last.is_dir()]
+            # The numbered checkpoint it is (a hard link, a symbolic link), else the newest of its kind.
+            steps = [step for step, path in same_kind if os.path.samefile(path, last)] or [
+                max((step for step, _ in same_kind), default=math.inf)
+            ]
+            ordered.append((steps[0], 1, last))
+    return [path for _, _, path in sorted(ordered, key=lambda entry: entry[:2], reverse=True)]
+
+
+def load_latest_checkpoint(checkpoint_dir, sharded_only=False):
+    """The newest readable checkpoint in `checkpoint_dir`, skipping damaged ones with a warning:
+    a file (--strategy ddp) or a folder of shards (fsdp); with `sharded_only` folders alone
+    (--strategy fsdp reads no one-file checkpoint; ddp reads both).
+
+    Returns (state, path), or (None, None) when the folder holds no checkpoint at all.
+    Raises CheckpointError when checkpoints exist but none is readable: starting fresh
+    over them would silently throw a run away.
+    """
+    everything = checkpoint_candidates(checkpoint_dir)
+    candidates = [path for path in everything if path.is_dir() or not sharded_only]
+    if everything and everything[0] not in candidates:
+        raise CheckpointError(
+            f"the newest checkpoint in {checkpoint_dir}, {everything[0].name}, is one file (--strategy ddp), which "
+            "--strategy fsdp does not read: resume with --strategy ddp, or pass another --output_dir"
+        )
+    for path in candidates:
+        try:
+            return load_checkpoint(path), path
+        except CheckpointError as error:
+            warn_main(f"{error}; trying an older checkpoint")
+    if candidates:
+        names = ", ".join(str(p) for p in candidates)
+        raise CheckpointError(f"no readable checkpoint among {names}; delete them or pass --resume none")
+    return None, None
+
+
+# --- sharded checkpoints (--strategy fsdp) ------------------------------------------------
+#
+# checkpoints/step_000000040/ holds one .distcp file per rank (its shards of the model and
+# optimizer state), DCP's .metadata, and trainer.pt (epoch, step, random generators, config),
+# written into .step_000000040.tmp/ and renamed when complete. `last` is a symbolic link to
+# the newest one, replaced atomically.
+
+
+class PendingCheckpoint:
+    """A sharded checkpoint being written; `finish()` waits for it, then makes it the newest. A
+    failed one (`failure`: what DCP raised) is removed, the checkpoints before it untouched."""
+
+    def __init__(self, ctx, future, tmp, final, keep, timeout_seconds, size, failure=None):
+        self.ctx, self.future, self.tmp, self.final = ctx, future, tmp, final
+        self.keep, self.timeout_seconds = keep, timeout_seconds
+        self.size, self.failure = size, failure  # the whole checkpoint's bytes, for a full disk's message
+
+    def finish(self):
+        failure = self.failure
+        if failure is None and self.future is not None:
+            try:
+                self.future.result()
+            except dcp_failures() as caught:  # DCP's CheckpointException: every rank sees the same
+                failure = caught
+        error = first_line(failure) if failure else None
+        error = store_barrier(self.ctx, f"sharded_written_{self.final.name}", error, self.timeout_seconds)
+        if error:  # no rank writes into it any more: removed, then the free space is what the save found
+            error = _abandon(self.tmp, self.final, failure or error, self.size, self.keep)
+        else:
+            error = _publish_sharded(self.tmp, self.final, self.keep, self.size)
+        error = store_barrier(self.ctx, f"sharded_published_{self.final.name}", error, self.timeout_seconds)
+        if error:
+            raise CheckpointError(error)
+
+
+def dcp_failures():
+    """What a failed DCP save or load raises: its CheckpointException is a BaseException, which
+    `except Exception` would let through, and the run would crash instead of saying why."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return Exception, CheckpointException
+
+
+def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, keep, timeout_seconds, group, stager):
+    """Start writing a sharded checkpoint on every rank; returns the PendingCheckpoint to finish.
+
+    With a `stager` (DCP's AsyncStager), DCP copies the shards into its host buffers and writes
+    them in a thread (on `group`, a process group of its own) while training goes on; without,
+    it writes them before returning.
+    """
+    import torch.distributed.checkpoint as dcp  # here, not at the top: see check_sharded_checkpoint
+
+    checkpoint_dir = Path(checkpoint_dir)
+    final = checkpoint_dir / f"step_{step:09d}"
+    tmp = checkpoint_dir / f".{final.name}.tmp"
+    size, _ = sharded_bytes(
+        tensor_bytes(sharded, once=False), ctx.world_size, one_file_bytes(tensor_bytes(trainer_state))
+    )
+    error = _prepare_sharded(tmp, trainer_state, step, size, keep)
+    error = store_barrier(ctx, f"sharded_prepared_{final.name}", error, timeout_seconds)
+    if error:
+        raise CheckpointError(error)
+    future = failure = None
+    try:
+        if stager is None:
+            dcp.save(sharded, checkpoint_id=str(tmp), process_group=group)
+        else:
+            future = dcp.async_save(sharded, checkpoint_id=str(tmp), process_group=group, async_stager=stager)
+    except dcp_failures() as caught:  # every rank sees the same
+        failure = caught
+    pending = PendingCheckpoint(ctx, future, tmp, final, keep, timeout_seconds, size, failure)
+    if failure is not None:
+        pending.finish()  # raises, once every rank is done with the partial folder and it is gone
+    return pending
+
+
+@rank_zero_only
+def _prepare_sharded(tmp, trainer_state, step, size, keep):
+    try:
+        fenced()  # before anything is removed or written: no rank writes a shard otherwise
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way
+        tmp.mkdir(parents=True)
+        _atomic_save(trainer_state, tmp / "trainer.pt")
+    except FolderLost as lost:
+        return str(lost)
+    except Exception as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return save_failure(tmp.parent, step, error, size, keep)
+    return None
+
+
+@rank_zero_only
+def _abandon(tmp, final, failure, size, keep):
+    """Remove the partial checkpoint `tmp`; returns the line that says why it failed."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    return save_failure(final.parent, _step(final), failure, size, keep)
+
+
+def _step(final):
+    return int(final.name.removeprefix("step_"))
+
+
+@rank_zero_only
+def _publish_sharded(tmp, final, keep, size):
+    """Rename the complete `tmp` to `final`, point `last` at it, then prune: at every moment
+    `last` and the step folders are complete checkpoints."""
+    try:
+        _fsync_dir(tmp)
+        fenced()  # a folder taken over meanwhile: this run's shards are removed, nothing of the new owner's touched
+        # The same step may be saved again (a run resumed from an older one).
+        replace_folder(tmp, final)
+        link = final.parent / ".last.link"
+        link.unlink(missing_ok=True)
+        link.symlink_to(final.name)
+        os.replace(link, final.parent / "last")
+        _fsync_dir(final.parent)
+        # The newest `keep` step folders stay (at least the one `last` names), never this one.
+        others = sorted(p for p in final.parent.glob("step_*") if p.is_dir() and p != final)
+        fenced()
+        for old in others[: len(others) - max(keep - 1, 0)]:
+            shutil.rmtree(old)
+    except FolderLost as lost:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return str(lost)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)  # not yet in place: never a checkpoint
+        return save_failure(final.parent, _step(final), error, size, keep)
+    return None
+
+
+def check_sharded_checkpoint(path):
+    """Raise if a shard named in the checkpoint's metadata is missing or cut short."""
+    # DCP is imported where it is used: it pulls in DTensor and sympy, 1.5 s of start-up per
+    # process that ddp runs (one-file checkpoints) never need.
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    for info in metadata.storage_data.values():
+        shard = Path(path) / info.relative_path
+        if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
+            raise ValueError(f"shard {shard.name} is missing or cut short")
+
+
+def sharded_param_groups(path):
+    """How many optimizer parameter groups the sharded checkpoint at `path` holds."""
+    import torch.distributed.checkpoint as dcp  # here, not at the top: see check_sharded_checkpoint
+
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return len({key.split(".")[2] for key in keys if key.startswith("optimizer.param_groups.")})
+
+
+def load_sharded_checkpoint(path, sharded, group):
+    """Read this rank's shards of `sharded` from the checkpoint folder `path`, in place; every
+    rank calls it (DCP reshards to this world size)."""
+    import torch.distributed.checkpoint as dcp  # here, not at the top: see check_sharded_checkpoint
+
+    try:
+        dcp.load(sharded, checkpoint_id=str(path), process_group=group)
+    except dcp_failures() as failure:  # DCP's CheckpointException: every rank sees the same
+        raise CheckpointError(f"checkpoint {path} is unreadable: {first_line(failure)}") from None
+
+
+def read_sharded_state(model, optimizer, path, group):
+    """Load a sharded checkpoint (the folder `path`) into `model` and `optimizer` on every rank:
+    each reads what its own parameters hold, whatever world size, mesh or strategy wrote it
+    (DCP reshards; a plain module reads whole tensors). Collective over `group`."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    sharded = {"model": model_state, "optimizer": optimizer_state}
+    ours = optimizer_state["param_groups"]
+    # Saved before build_optimizer's two groups: read it as the one group it has. The state
+    # is keyed by parameter name, so only the groups' settings differ: this run's are kept.
+    one_group = len(ours) > 1 and sharded_param_groups(path) == 1
+    if one_group:
+        optimizer_state["param_groups"] = [{**ours[0], "params": [name for g in ours for name in g["params"]]}]
+    load_sharded_checkpoint(path, sharded, group)
+    if one_group:
+        sharded["optimizer"]["param_groups"] = ours
+        warn_main(ONE_GROUP_NOTE.format(path=path))
+    set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
+
+
+ONE_GROUP_NOTE = (
+    "checkpoint {path} was saved with weight decay on every parameter: resuming with its optimizer state, "
+    "biases and normalisation weights no longer decay"
+)
+
+
+def regroup_optimizer_state(saved, optimizer, parameters, path):
+    """An optimizer state saved before the two parameter groups of build_optimizer (one group of
+    every parameter, in the model's order), as this optimizer's groups hold the same parameters;
+    `parameters`: the model's, in its order. The state (Adam's moments, step) carries over;
+    the groups' settings are this run's. Any other saved state is returned as it is."""
+    if len(saved["param_groups"]) != 1 or len(optimizer.param_groups) == 1:
+        return saved
+    old_index = {id(p): i for i, p in enumerate(parameters)}
+    ours = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(ours) != len(parameters) or len(saved["param_groups"][0]["params"]) != len(parameters):
+        raise CheckpointError(f"checkpoint {path} has an optimizer state for other parameters than this model's")
+    warn_main(ONE_GROUP_NOTE.format(path=path))
+    new_index = {old_index[id(p)]: i for i, p in enumerate(ours)}
+    state = {new_index[i]: value for i, value in saved["state"].items()}
+    return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}

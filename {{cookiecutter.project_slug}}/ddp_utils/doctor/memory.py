@@ -1,0 +1,194 @@
+"""doctor.py's memory plan: the bytes per GPU of parameters, gradients, AdamW's state and
+activations under ddp, fsdp over every GPU and hsdp, and whether the configured --strategy
+fits. The activations are measured (`LiveBytes`), not guessed from shapes. Beside it, what each
+rank writes of a checkpoint, and whether --output_dir has room for the kept ones."""
+
+import functools
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..checkpoint.checkpointer import rank_state
+from ..checkpoint.space import (
+    as_sharded,
+    one_file_bytes,
+    optimizer_bytes,
+    serialized_bytes,
+    sharded_bytes,
+    size_text,
+    space,
+    tensor_bytes,
+)
+from ..contract import count_samples, model_inputs
+from ..core.precision import AMP_DTYPES, autocast
+from ..optim.optimizer import build_optimizer
+from ..parallel.strategy import shard_units
+from .checks import check, halves
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes the tensors made under it hold after each operation (`trace`), each storage
+    counted once, from when it is made until it is freed: what a forward saves for backward,
+    and what it frees sooner (a softmax's intermediate, autocast's copies of the weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.trace = 0, []
+        self.held = WeakIdKeyDictionary()  # storage: a reference that says when it is freed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            strided = isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided  # sparse ones have none
+            storage = tensor.untyped_storage() if strided else None
+            if storage is None or storage in self.held or id(storage) in inputs:
+                continue  # a view of what exists already
+            self.held[storage] = weakref.ref(storage, functools.partial(self.free, storage.nbytes()))
+            self.live += storage.nbytes()
+        self.trace.append(self.live)
+        return out
+
+    def free(self, nbytes, _):
+        self.live -= nbytes
+
+
+def activation_trace(model, batch, loss_fn, amp_dtype):
+    """The bytes a forward and the loss of `batch` hold after each operation: what they save
+    for backward and what they hold for a while."""
+    with LiveBytes() as tracked:
+        with autocast("cpu", amp_dtype):
+            loss = loss_fn(model(model_inputs(batch)), batch)
+    del loss
+    return tracked.trace
+
+
+def activations_at(model, batch, loss_fn, cfg):
+    """The peak activations of --batch_size samples. The bytes held after each operation are
+    measured on the first half of `batch` and on the whole of it, and each is taken along
+    the line through the two (what does not grow with the batch, such as autocast's copies of
+    the weights, counted once): the peak is where the largest of them is at --batch_size,
+    which need not be where it is for a few samples. Scaled from the whole when it has one
+    sample or the operations differ with the batch's size."""
+    amp_dtype, samples = AMP_DTYPES[cfg.amp], count_samples(batch)
+    whole = activation_trace(model, batch, loss_fn, amp_dtype)
+    half_samples = samples // 2
+    half = tree_map_only(torch.Tensor, torch.clone, halves(batch)[0])  # its own storage, not the batch's
+    half = activation_trace(model, half, loss_fn, amp_dtype) if half_samples else []
+    if len(half) != len(whole):
+        return max(whole, default=0) * cfg.batch_size / samples
+    slopes = [(b - a) / (samples - half_samples) for a, b in zip(half, whole)]
+    return max((b + slope * (cfg.batch_size - samples) for b, slope in zip(whole, slopes)), default=0.0)
+
+
+def replicas(cfg, world_size, gpus_per_node):
+    """The replicas --strategy fsdp keeps at this size (ddp_utils.parallel.strategy.hsdp_replicas)."""
+    return cfg.replicate_degree or (world_size // gpus_per_node if gpus_per_node > 1 else 1)
+
+
+def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node):
+    """Bytes per GPU under ddp, fsdp over every GPU and hsdp (fsdp in replicas), and the flags
+    of each: ({name: {part: bytes}}, {name: flags}, the configured one's name)."""
+    parameters = list(model.parameters())  # bytes as built (float32, unless the model says otherwise)
+    trainable = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in parameters) - trainable
+    element = parameters[0].element_size() if parameters else 4
+    compute = 2 if AMP_DTYPES[cfg.amp] is not None else element  # a parameter gathered for compute under fsdp
+    activations = activations_at(model, batch, loss_fn, cfg)
+    largest_unit = max((sum(p.numel() for p in unit.parameters()) for unit in shard_units(model)), default=0)
+    largest_unit = largest_unit or sum(p.numel() for p in parameters)  # no units: the whole model is one
+    default = replicas(cfg, world_size, gpus_per_node)
+    hsdp = default if default > 1 else (world_size // gpus_per_node if gpus_per_node > 1 else 1)
+    candidates = {
+        "ddp": (1, "--strategy ddp"),
+        "fsdp": (world_size, "--strategy fsdp" + (" --replicate_degree 1" if default != 1 else "")),
+        "hsdp": (world_size // hsdp, "--strategy fsdp" + (f" --replicate_degree {hsdp}" if hsdp != default else "")),
+    }
+    plans, flags = {}, {}
+    for name, (shards, flag) in candidates.items():
+        if name == "hsdp" and (shards in (1, world_size) or world_size % hsdp):
+            continue  # the same as ddp or fsdp here
+        plans[name] = {
+            "parameters": (trainable + frozen) / shards,
+            "gradients": trainable / shards,
+            "optimizer": 2 * trainable / shards,  # AdamW's two moments, as the parameters
+            "activations": activations,
+        }
+        if shards > 1:  # a unit gathered for its forward or backward and the next one prefetched; one unit's gradients
+            plans[name]["gathered"] = largest_unit * (2 * compute + element)
+        elif name == "ddp" and not cfg.gradient_as_bucket_view:
+            plans[name]["buckets"] = trainable  # DDP's buckets, a second copy of the gradients
+        flags[name] = flag
+    if cfg.strategy == "ddp":
+        configured = "ddp"
+    elif world_size % default:
+        configured = None  # training refuses it (ddp_utils.parallel.strategy.hsdp_replicas)
+    else:
+        configured = "fsdp" if default == 1 else "hsdp" if "hsdp" in plans and hsdp == default else "ddp"
+    return plans, flags, configured
+
+
+def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
+    gb = 1e9
+    totals = {name: sum(plan.values()) / gb for name, plan in plans.items()}
+    summary = ", ".join(f"{name} {total:.2f} GB" if total >= 0.1 else f"{name} {1000 * total:.1f} MB"
+                        for name, total in totals.items())  # fmt: skip
+    summary += f" per GPU at {world_size} GPUs, --batch_size {cfg.batch_size}, --amp {cfg.amp}"
+    fits = {name: total <= 0.9 * gpu_gb for name, total in totals.items()}  # a tenth to fragmentation, the context
+    if configured is None:
+        why = f"--replicate_degree {cfg.replicate_degree} does not divide the {world_size} GPUs"
+        return check("memory plan", "fail", f"{summary}: {why}", "a --replicate_degree that divides them")
+    if fits[configured]:
+        return check("memory plan", "pass", f"{summary}: {configured} fits {gpu_gb:g} GB")
+    activations = plans[configured]["activations"] / gb
+    fixes = [flags[name] for name in plans if fits[name]]
+    if not fixes and totals[configured] - activations > 0.3 * totals[configured]:
+        fixes.append("more GPUs with --strategy fsdp (the model state shards over them)")
+    if activations > 0.3 * totals[configured]:
+        if not getattr(cfg, "activation_checkpointing", True):
+            fixes.append("--activation_checkpointing true")
+        fixes.append(f"--batch_size {max(1, cfg.batch_size // 2)} --grad_accum_steps {2 * cfg.grad_accum_steps}")
+    status = "warn" if any(fits.values()) else "fail"
+    return check("memory plan", status, f"{summary}: {configured} does not fit {gpu_gb:g} GB", "; or ".join(fixes))
+
+
+def checkpoint_plan(model, cfg, world_size):
+    """The bytes of one checkpoint of `model` and what each rank writes of it, under ddp (rank 0
+    writes it all) and under fsdp or hsdp over `world_size` GPUs (every rank its shards, DCP
+    writing each once): {name: {"checkpoint", "rank 0", "each other rank"}}. Counted as training
+    counts them (checkpoint_space): the model's tensors, the optimizer's state as build_optimizer's
+    will hold it, each rank's random generators as this process's; the training set's
+    data_state() is left out."""
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    trainer = serialized_bytes({"config": cfg.to_dict()})
+    trainer += world_size * serialized_bytes(rank_state(torch.zeros(2, dtype=torch.float64)))
+    state = model.state_dict()
+    ddp = one_file_bytes(tensor_bytes(state) + optimizer_bytes(optimizer), trainer)
+    spread = as_sharded(tensor_bytes(state, once=False) + optimizer_bytes(optimizer), world_size)
+    whole, first = sharded_bytes(spread, world_size, trainer, main=True)
+    other = sharded_bytes(spread, world_size, trainer, main=False)[1]
+    return {
+        "ddp": {"checkpoint": ddp, "rank 0": ddp, "each other rank": 0},
+        "fsdp": {"checkpoint": whole, "rank 0": first, "each other rank": other},
+    }
+
+
+def checkpoint_check(plan, cfg, world_size):
+    """The doctor's row of checkpoints: what each rank writes of one under ddp and fsdp, and
+    whether this machine's --output_dir holds the kept ones at their peak under the configured
+    --strategy. A warning at most: the job's file system is the preflight's to check."""
+    ddp, fsdp = plan["ddp"], plan["fsdp"]
+    sizes = (
+        f"a checkpoint of {size_text(ddp['checkpoint'])} under ddp, all from rank 0; under fsdp "
+        f"{size_text(fsdp['each other rank'])} from each of the {world_size} GPUs ({size_text(fsdp['rank 0'])} from "
+        "rank 0, with the trainer's state)"
+    )
+    size = plan["fsdp" if cfg.strategy == "fsdp" else "ddp"]["checkpoint"]
+    room = space(Path(cfg.output_dir) / "checkpoints", size, cfg.keep_checkpoints)
+    if room.shortfall():
+        return check("checkpoint space", "warn", f"{sizes}; {room.shortfall()}", room.fix())
+    return check("checkpoint space", "pass", f"{sizes}; {room.summary()}")
