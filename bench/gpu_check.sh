@@ -380,7 +380,7 @@ import glob, os, sys, time
 import torch
 import torch.distributed as dist
 sys.path.insert(0, ".")
-from ddp_utils.distributed.dist import setup_distributed
+from ddp_utils.distributed.process_group import setup_distributed
 
 ctx = setup_distributed(timeout_seconds=5, trace_dir=sys.argv[1])
 value = torch.ones(1024, device=ctx.device)
@@ -432,7 +432,7 @@ sys.path.insert(0, ".")
 from ddp_utils.preflight import run as preflight
 from ddp_utils.configuration import parse_config
 from ddp_utils.contract import to_device
-from ddp_utils.distributed.dist import cleanup_distributed, setup_distributed
+from ddp_utils.distributed.process_group import cleanup_distributed, setup_distributed
 from ddp_utils.train.inputs import check_inputs
 from ddp_utils.train.trainer import Trainer
 from task import TASK
@@ -858,7 +858,7 @@ import sys
 import torch
 sys.path.insert(0, ".")
 from ddp_utils.train import run
-from ddp_utils.distributed.dist import set_tf32
+from ddp_utils.distributed.device import set_tf32
 from task import TASK
 
 def readings():

@@ -50,13 +50,13 @@ torch.cuda.memory._dump_snapshot = lambda *args, **kwargs: None
 torch.Tensor.backward = named("bench:backward", torch.Tensor.backward)
 F.cross_entropy = named("bench:loss", F.cross_entropy)
 try:  # the generated project's machinery; absent in a floor's run it is simply unused
-    from ddp_utils.distributed import dist as ddp_dist
+    from ddp_utils.distributed import collectives
     from ddp_utils.parallel import strategy
 
     for cls in (strategy.DDPStrategy, strategy.FSDPStrategy):
         cls.clip_gradients = named("bench:clip", cls.clip_gradients)
-    ddp_dist.Agreement.__init__ = named("bench:agreement", ddp_dist.Agreement.__init__)
-    ddp_dist.Agreement.result = named("bench:agreement_read", ddp_dist.Agreement.result)
+    collectives.Agreement.__init__ = named("bench:agreement", collectives.Agreement.__init__)
+    collectives.Agreement.result = named("bench:agreement_read", collectives.Agreement.result)
 except ImportError:
     pass
 

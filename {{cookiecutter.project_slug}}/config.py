@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from dataset import DataConfig
 from ddp_utils.configuration import RunConfig
 from ddp_utils.knobs import knob
+from ddp_utils.parallel.comm_hooks import COMM_HOOKS
 from model import ModelConfig
 
 
@@ -77,11 +78,7 @@ class Config(RunConfig, ModelConfig, DataConfig):
     gradient_as_bucket_view: bool = knob(True, "gradients as views of DDP's buckets: saves a copy and memory")
     static_graph: bool = knob(False, "tell DDP the graph is the same every step (enables more overlap)")
     bucket_cap_mb: int = knob(25, "size of DDP's gradient buckets in MiB")
-    comm_hook: str = knob(
-        "none",
-        "compress gradients before all-reduce, for slow inter-node links",
-        ("none", "bf16", "fp16", "powersgd"),
-    )
+    comm_hook: str = knob("none", "compress gradients before all-reduce, for slow inter-node links", COMM_HOOKS)
 
     # Checkpoints and logging
     checkpoint_every_steps: int = knob(0, "also checkpoint every N optimizer steps, 0 = epoch ends only")

@@ -31,6 +31,6 @@ its modules.
 Rules the package keeps for the rest of the project:
 - Rank-0-only side effects (files, console) go through `logs.rank_zero_only`; code under it
   never calls a collective, which would hang the other ranks.
-- Decisions that end or skip work are agreed by all ranks with one collective (dist.Agreement).
+- Decisions that end or skip work are agreed by all ranks with one collective (collectives.Agreement).
 - On an error the root cause is logged first and nothing blocks the exit (faults.ExitPath).
 """

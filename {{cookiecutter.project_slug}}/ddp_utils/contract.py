@@ -42,7 +42,7 @@ Optional on the model object (looked up on the module build_model returns):
 - `same_buffers_on_every_rank = True` on a submodule whose buffers are kept equal across ranks
   by the module itself (as torch's SyncBatchNorm does): DDP need not resend them.
 - `muon_parameters()`: the parameters --optimizer muon gives Muon (the rest go to AdamW): the
-  hidden Linear and convolution weights (ddp_utils/optim/optimizer.py hidden_layers).
+  hidden Linear and convolution weights (ddp_utils/optim/muon.py hidden_layers).
 
 Optional on the datasets:
 - `data_state()` (training set): what a prediction needs from the training data (label names,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint.formats import load_checkpoint, load_sharded_checkpoint
+from .checkpoint.loading import load_checkpoint
+from .checkpoint.sharded import load_sharded_checkpoint
 from .configuration import RENAMED
 from .contract import build_on_meta
 from .core.files import write_atomically

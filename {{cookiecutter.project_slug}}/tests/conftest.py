@@ -32,9 +32,9 @@ import task_settings  # noqa: E402 (tests/task_settings.py: what the tests must 
 
 from config import Config  # noqa: E402
 from ddp_utils.configuration import parse_config  # noqa: E402
-from ddp_utils.doctor.checks import halves, to_float64  # noqa: E402
 from ddp_utils.doctor.equivalence import gradients  # noqa: E402
 from ddp_utils.doctor.numerics import TOLERANCES, Tolerance, watching_casts  # noqa: E402
+from ddp_utils.doctor.rows import halves, to_float64  # noqa: E402
 from task import TASK  # noqa: E402
 
 # Small and fast: every test trains for real, so keep the task tiny: 1024 training and 256

@@ -674,23 +674,23 @@ class WithBadSamples(Wrapped):
 def count_orthogonalised():
     """Every rank prints, at the end, how many matrices it orthogonalised in each optimizer step
     (Muon's newton_schulz, wrapped): a rank's share of Muon's work."""
-    from ddp_utils.optim import optimizer as optim
+    from ddp_utils.optim import muon
 
     counts = []
-    newton_schulz = optim.newton_schulz
+    newton_schulz = muon.newton_schulz
 
     def counting(matrices, steps, *args, **kwargs):
         counts.append(len(matrices))
         return newton_schulz(matrices, steps, *args, **kwargs)
 
-    optim.newton_schulz = counting
-    step = optim.MuonWithAdamW.step
+    muon.newton_schulz = counting
+    step = muon.MuonWithAdamW.step
 
     def counting_step(self, *args, **kwargs):
         counts.append("step")
         return step(self, *args, **kwargs)
 
-    optim.MuonWithAdamW.step = counting_step
+    muon.MuonWithAdamW.step = counting_step
 
     def finish():
         per_step, current = [], None
@@ -711,10 +711,10 @@ def count_orthogonalised():
 def record_group_lrs():
     """Rank 0 prints each optimizer step's learning rates, per parameter group (and whether the
     group is Muon's), as the step runs."""
-    from ddp_utils.optim import optimizer as optim
+    from ddp_utils.optim import muon
 
     seen = []
-    for optimizer_class in (torch.optim.AdamW, optim.MuonWithAdamW):
+    for optimizer_class in (torch.optim.AdamW, muon.MuonWithAdamW):
         step = optimizer_class.step
 
         def recording_step(self, *args, _step=step, **kwargs):

@@ -13,10 +13,10 @@ import torch
 from conftest import PROJECT, TINY, run_training, training_env
 
 from config import Config
-from ddp_utils.distributed import dist, faults
+from ddp_utils.distributed import device, faults, process_group
 from ddp_utils.errors import PreflightError
-from ddp_utils.preflight import checks as preflight_checks
-from ddp_utils.preflight import comm_model
+from ddp_utils.parallel.comm_hooks import COMM_HOOKS
+from ddp_utils.preflight import comm_model, local_checks, measure
 
 
 @pytest.mark.fixed_amp
@@ -76,12 +76,12 @@ def test_each_process_trains_on_the_gpu_it_was_given(monkeypatch):
     """LOCAL_RANK picks among the GPUs a process sees; when a scheduler shows each process only
     its own GPU (srun --gpus-per-task=1), that one is cuda:0 whatever LOCAL_RANK is."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert dist.local_gpu(3) == torch.device("cuda", 0)
+    assert device.local_gpu(3) == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert dist.local_gpu(3) == torch.device("cuda", 3)
+    assert device.local_gpu(3) == torch.device("cuda", 3)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(RuntimeError, match="LOCAL_RANK 3 but this process sees 2 GPUs"):
-        dist.local_gpu(3)
+        device.local_gpu(3)
 
 
 # --- a GPU job never trains on the CPU by accident --------------------------------------------
@@ -106,7 +106,7 @@ def test_gpus_asked_for_but_cuda_unusable_stops_with_one_line(tmp_path, env, arg
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and f"GPUs were asked for ({asked}) but CUDA is unavailable" in line
-    assert dist.cuda_unavailable_reason() in line and "--device cpu" in line
+    assert device.cuda_unavailable_reason() in line and "--device cpu" in line
     assert not (tmp_path / "run").exists()
 
 
@@ -117,26 +117,26 @@ def test_device_cpu_trains_on_the_cpu_where_gpus_are_visible(tmp_path):
 
 def test_what_counts_as_gpus_asked_for():
     for empty in ("", "-1", "NoDevFiles", "void", "none"):  # values that hide every GPU
-        assert dist.gpus_requested({"CUDA_VISIBLE_DEVICES": empty, "NVIDIA_VISIBLE_DEVICES": empty}) is None
-    assert dist.gpus_requested({"SLURM_GPUS_ON_NODE": "0"}) is None
-    assert dist.gpus_requested({"SLURM_GPUS_ON_NODE": "4"}) == "SLURM_GPUS_ON_NODE=4"
-    assert dist.gpus_requested({"CUDA_VISIBLE_DEVICES": "GPU-5d1c"}) == "CUDA_VISIBLE_DEVICES=GPU-5d1c"
-    assert dist.gpus_requested({}) is None
+        assert device.gpus_requested({"CUDA_VISIBLE_DEVICES": empty, "NVIDIA_VISIBLE_DEVICES": empty}) is None
+    assert device.gpus_requested({"SLURM_GPUS_ON_NODE": "0"}) is None
+    assert device.gpus_requested({"SLURM_GPUS_ON_NODE": "4"}) == "SLURM_GPUS_ON_NODE=4"
+    assert device.gpus_requested({"CUDA_VISIBLE_DEVICES": "GPU-5d1c"}) == "CUDA_VISIBLE_DEVICES=GPU-5d1c"
+    assert device.gpus_requested({}) is None
     # NVIDIA's CUDA images set NVIDIA_VISIBLE_DEVICES=all themselves: GPUs only where the driver is.
-    assert dist.gpus_requested({"NVIDIA_VISIBLE_DEVICES": "all"}, nvidia_devices=False) is None
-    assert dist.gpus_requested({"NVIDIA_VISIBLE_DEVICES": "all"}, nvidia_devices=True) == "NVIDIA_VISIBLE_DEVICES=all"
+    assert device.gpus_requested({"NVIDIA_VISIBLE_DEVICES": "all"}, nvidia_devices=False) is None
+    assert device.gpus_requested({"NVIDIA_VISIBLE_DEVICES": "all"}, nvidia_devices=True) == "NVIDIA_VISIBLE_DEVICES=all"
 
 
 def test_why_cuda_is_unusable_names_the_versions(monkeypatch):
     """A wheel built for a newer CUDA than the driver supports, and a node without a driver."""
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.setattr(dist, "cuda_driver_version", lambda: (12, 2))
-    reason = dist.cuda_unavailable_reason()
+    monkeypatch.setattr(device, "cuda_driver_version", lambda: (12, 2))
+    reason = device.cuda_unavailable_reason()
     assert "built for CUDA 12.8, but the NVIDIA driver supports CUDA up to 12.2" in reason
-    monkeypatch.setattr(dist, "cuda_driver_version", lambda: None)
-    assert "no NVIDIA driver is loaded" in dist.cuda_unavailable_reason()
+    monkeypatch.setattr(device, "cuda_driver_version", lambda: None)
+    assert "no NVIDIA driver is loaded" in device.cuda_unavailable_reason()
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert "CPU-only build" in dist.cuda_unavailable_reason()
+    assert "CPU-only build" in device.cuda_unavailable_reason()
 
 
 def test_preflight_reports_gpus_asked_for_without_cuda():
@@ -155,7 +155,7 @@ def test_tf32_leaves_both_of_torchs_apis_readable_and_agreeing():
     refuses to read the legacy flags once only the new API was set; Inductor, cuDNN and other
     libraries read them). A fresh process: the settings are global."""
     check = (
-        "import torch\nfrom ddp_utils.distributed.dist import set_tf32\n"
+        "import torch\nfrom ddp_utils.distributed.device import set_tf32\n"
         "for enabled in (True, False, True):\n"
         "    set_tf32(enabled)\n"
         "    assert torch.backends.cuda.matmul.allow_tf32 is enabled\n"
@@ -169,7 +169,7 @@ def test_tf32_leaves_both_of_torchs_apis_readable_and_agreeing():
 
 
 def test_slurm_job_ports_stay_below_the_ephemeral_range():
-    ports = [dist.job_port(job_id) for job_id in range(0, 200_000, 7)]
+    ports = [process_group.job_port(job_id) for job_id in range(0, 200_000, 7)]
     assert min(ports) >= 20000 and max(ports) < 32768
     sbatch = PROJECT / "scripts" / "slurm.sbatch"
     if sbatch.exists():  # slurm=yes: the same formula
@@ -226,7 +226,7 @@ def test_the_preflight_names_processes_that_share_one_gpu():
     store, seen = torch.distributed.HashStore(), {}
 
     def report(local_rank, gpu):
-        seen[local_rank] = preflight_checks.node_gpus(store, "node0", local_rank, 2, gpu, timedelta(seconds=30))
+        seen[local_rank] = local_checks.node_gpus(store, "node0", local_rank, 2, gpu, timedelta(seconds=30))
 
     threads = [threading.Thread(target=report, args=(rank, "NVIDIA H100 GPU-a1")) for rank in (0, 1)]
     for thread in threads:
@@ -234,14 +234,14 @@ def test_the_preflight_names_processes_that_share_one_gpu():
     for thread in threads:
         thread.join(60)
     assert seen == {0: {0: "NVIDIA H100 GPU-a1", 1: "NVIDIA H100 GPU-a1"}, 1: seen[0]}
-    problem = preflight_checks.shared_gpu_problem(seen[0], "node0")
+    problem = local_checks.shared_gpu_problem(seen[0], "node0")
     assert problem.startswith("local ranks 0 and 1 on node0 would all train on one GPU, NVIDIA H100 GPU-a1")
     fix = "Set NPROC_PER_NODE=1, or show each process its own GPU (CUDA_VISIBLE_DEVICES)"
     assert problem.endswith(f"(NCCL stops with 'Duplicate GPU detected'): 2 processes for 1 GPU(s). {fix}")
     # A wrapper that gives each process its own CUDA_VISIBLE_DEVICES, and one of them twice.
-    problem = preflight_checks.shared_gpu_problem({0: "GPU-a", 1: "GPU-b", 2: "GPU-a"}, "node1")
+    problem = local_checks.shared_gpu_problem({0: "GPU-a", 1: "GPU-b", 2: "GPU-a"}, "node1")
     assert problem.startswith("local ranks 0 and 2 on node1 would all train on one GPU, GPU-a ") and "=2," in problem
-    assert preflight_checks.shared_gpu_problem({0: "GPU-a", 1: "GPU-b"}, "node0") is None
+    assert local_checks.shared_gpu_problem({0: "GPU-a", 1: "GPU-b"}, "node0") is None
 
 
 def test_bus_bandwidth_follows_nccl_tests():
@@ -269,7 +269,7 @@ def test_what_crosses_the_inter_node_link_under_each_strategy():
     (7/8 x 8 MB); hsdp keeps those inside the node and all-reduces gradient shards between the
     2 replicas (2 x 1/2 x 4 MB)."""
     parameters = [torch.zeros(1000, 1000)]
-    sent = {hook: comm_model.gradient_bytes(parameters, hook) for hook in comm_model.COMM_HOOKS}
+    sent = {hook: comm_model.gradient_bytes(parameters, hook) for hook in COMM_HOOKS}
     cfg = Config(amp="bf16")
     crossing = comm_model.internode_bytes(parameters, cfg, world_size=8, nodes=2, sent=sent)
     assert crossing == {"ddp": 7_000_000, "fsdp": 7_000_000, "hsdp": 4_000_000}
@@ -293,17 +293,17 @@ ip-172-31-12-21:45361:45361 [0] NCCL INFO Using network Socket
 
 
 def test_the_preflight_names_the_network_nccl_chose():
-    ib = preflight_checks.nccl_transport(NCCL_IB)
+    ib = measure.nccl_transport(NCCL_IB)
     assert ib.startswith("IB (NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB") and ib.endswith("GPUDirect RDMA")
-    socket = preflight_checks.nccl_transport(NCCL_SOCKET)
+    socket = measure.nccl_transport(NCCL_SOCKET)
     assert socket.startswith("Socket (NET/Socket : Using [0]ens3:172.31.12.21<0>): TCP, no InfiniBand")
-    assert preflight_checks.nccl_transport("NCCL INFO cudaDriverVersion 12080\n") is None
+    assert measure.nccl_transport("NCCL INFO cudaDriverVersion 12080\n") is None
 
 
 def test_place_checks_catch_inconsistent_launch_variables(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(PreflightError, match="outside WORLD_SIZE"):
-        preflight_checks.check_place({"RANK": 4, "LOCAL_RANK": 0, "WORLD_SIZE": 4})
+        local_checks.check_place({"RANK": 4, "LOCAL_RANK": 0, "WORLD_SIZE": 4})
     with pytest.raises(PreflightError, match="no multiple"):
-        preflight_checks.check_place({"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 3})
-    assert "rank 1 of 4" in preflight_checks.check_place({"RANK": 1, "LOCAL_RANK": 1, "WORLD_SIZE": 4})
+        local_checks.check_place({"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 3})
+    assert "rank 1 of 4" in local_checks.check_place({"RANK": 1, "LOCAL_RANK": 1, "WORLD_SIZE": 4})

@@ -30,11 +30,12 @@ from torch import nn
 
 from config import Config
 from ddp_utils.configuration import parse_config
-from ddp_utils.doctor import checks as doctor_checks
 from ddp_utils.doctor import equivalence as doctor_equivalence
 from ddp_utils.doctor import memory as doctor_memory
+from ddp_utils.doctor import model_checks
 from ddp_utils.doctor import processes as doctor_processes
 from ddp_utils.doctor import run as doctor
+from ddp_utils.doctor.rows import to_float64
 from task import TASK
 
 
@@ -138,7 +139,7 @@ BATCH = (torch.randn(6, 8, generator=torch.Generator().manual_seed(0)), torch.te
 )
 def test_each_fault_is_named(fault, check, status, named):
     rows = {
-        row["check"]: row for row in doctor_checks.gradient_checks(Faulty(fault), (BATCH, BATCH), loss_fn, cfg_for())
+        row["check"]: row for row in model_checks.gradient_checks(Faulty(fault), (BATCH, BATCH), loss_fn, cfg_for())
     }
     assert rows[check]["status"] == status and named in rows[check]["summary"], rows[check]
     assert rows[check]["fix"]
@@ -150,14 +151,14 @@ def test_parameters_that_some_batches_leave_out_are_found():
     out. The row says so and names the knob; with it set, it passes."""
     batch = (torch.tensor([[1.0] * 8, [2.0] * 8, [-1.0] * 8, [1.0] + [0.0] * 7]), torch.tensor([0, 1, 2, 3]))
     for flags, status in [((), "fail"), (("--find_unused_parameters", "true"), "pass")]:
-        rows = doctor_checks.gradient_checks(Experts(), (batch, batch), loss_fn, cfg_for(*flags))
+        rows = model_checks.gradient_checks(Experts(), (batch, batch), loss_fn, cfg_for(*flags))
         (row,) = [row for row in rows if row["check"] == "unused parameters"]
         assert row["status"] == status and "no gradient from some samples for experts.0.weight" in row["summary"], row
         assert "--find_unused_parameters true" in row["fix"], row
 
 
 def test_unused_parameters_only_warn_when_ddp_is_told():
-    rows = doctor_checks.gradient_checks(
+    rows = model_checks.gradient_checks(
         Faulty("none"), (BATCH, BATCH), loss_fn, cfg_for("--find_unused_parameters", "true")
     )
     (row,) = [row for row in rows if row["check"] == "unused parameters"]
@@ -170,9 +171,21 @@ def test_host_syncs_in_forward_or_the_loss_are_found(tmp_path):
         "class M:\n    def forward(self, x):\n        n = x.sum().item()\n        return x / n\n\n\n"
         "def loss_fn(output, batch):\n    return output.mean().cpu()\n\n\ndef report(x):\n    return x.tolist()\n"
     )
-    row = doctor_checks.host_sync_check([model, PROJECT / "dataset.py"])
+    row = model_checks.host_sync_check([model, PROJECT / "dataset.py"])
     assert row["status"] == "warn"
     assert row["summary"] == "model.py:3 .item() in forward; model.py:8 .cpu() in loss_fn"  # not report()'s
+
+
+def test_a_gpu_sync_is_named_by_the_projects_own_line_never_the_machinerys():
+    """The GPU's sync check names the innermost frame of the project's own code (model.py,
+    dataset.py, their helpers): never a file of the machinery, in whichever of its folders, nor
+    doctor.py, nor an installed package."""
+    machinery = sorted((PROJECT / "ddp_utils").rglob("*.py"))
+    assert len({path.parent for path in machinery}) > 1  # its folders too
+    assert model_checks.in_project(str(PROJECT / "model.py")) and model_checks.in_project(str(PROJECT / "dataset.py"))
+    assert not [path for path in machinery if model_checks.in_project(str(path))]
+    assert not model_checks.in_project(str(PROJECT / "doctor.py"))
+    assert not model_checks.in_project(torch.__file__)
 
 
 def test_a_model_too_big_for_the_gpu_gets_the_way_to_fit():
@@ -294,7 +307,7 @@ def test_the_activation_estimate_is_the_measured_peak(amp, tmp_path):
     ],
 )
 def test_what_one_process_cannot_tell_from_two_is_named(build_model, loss, named):
-    row = doctor_equivalence.equivalence_check(build_model().double(), doctor_checks.to_float64(BATCH), loss)
+    row = doctor_equivalence.equivalence_check(build_model().double(), to_float64(BATCH), loss)
     assert row["status"] == "fail" and named in row["summary"], row
 
 
@@ -309,7 +322,7 @@ def test_two_gloo_processes_under_ddp_find_what_one_cannot(build_model, loss, na
     """The same faults, in 2 real processes (DDP, gloo) against this one; none left behind.
     (That a model without them passes, the task's own, is test_the_shipped_task_passes_the_doctor.)"""
     before = set(descendants(os.getpid()))
-    row, _ = doctor_processes.processes_check(build_model, doctor_checks.to_float64(BATCH), loss, cfg_for())
+    row, _ = doctor_processes.processes_check(build_model, to_float64(BATCH), loss, cfg_for())
     assert set(descendants(os.getpid())) == before
     assert row["status"] == "fail" and named in row["summary"], row
 
@@ -333,20 +346,18 @@ def test_two_gloo_processes_under_ddp_find_what_one_cannot(build_model, loss, na
 def test_two_processes_are_judged_at_the_precision_the_model_computes_in(build_model, loss, status, named):
     """Compared at the scale of the whole gradient, to float64's rounding, or to float32's where
     the model computes in float32 whatever it is given (named, as a warning)."""
-    row, _ = doctor_processes.processes_check(build_model, doctor_checks.to_float64(BATCH), loss, cfg_for())
+    row, _ = doctor_processes.processes_check(build_model, to_float64(BATCH), loss, cfg_for())
     assert row["status"] == status and named in row["summary"], row
     if status == "warn":
         assert "compute in float32 whatever dtype they are given" in row["summary"] and row["fix"], row
 
 
 def test_one_process_judges_at_the_precision_the_model_computes_in_too():
-    row = doctor_equivalence.equivalence_check(key_bias(None).double(), doctor_checks.to_float64(BATCH), loss_fn)
+    row = doctor_equivalence.equivalence_check(key_bias(None).double(), to_float64(BATCH), loss_fn)
     assert row["status"] == "pass", row
-    row = doctor_equivalence.equivalence_check(casts_inside(None).double(), doctor_checks.to_float64(BATCH), loss_fn)
+    row = doctor_equivalence.equivalence_check(casts_inside(None).double(), to_float64(BATCH), loss_fn)
     assert row["status"] == "warn" and "decay (float)" in row["summary"], row
-    row = doctor_equivalence.equivalence_check(
-        casts_inside(None).double(), doctor_checks.to_float64(BATCH), loss_per_class_present
-    )
+    row = doctor_equivalence.equivalence_check(casts_inside(None).double(), to_float64(BATCH), loss_per_class_present)
     assert row["status"] == "fail", row
 
 
@@ -368,7 +379,7 @@ def test_a_forward_that_changes_parameters_is_found_by_the_steps_of_two_processe
 
 
 def test_the_rank_that_raised_is_named_not_the_peer_it_left():
-    ddp, sharded = doctor_processes.processes_check(fails_on_rank1, doctor_checks.to_float64(BATCH), loss_fn, cfg_for())
+    ddp, sharded = doctor_processes.processes_check(fails_on_rank1, to_float64(BATCH), loss_fn, cfg_for())
     assert ddp["status"] == "fail", ddp
     assert ddp["summary"] == "a backward under DDP, rank 1 raises ValueError: rank 1's own fault", ddp
     assert sharded["status"] == "warn", sharded
@@ -381,9 +392,9 @@ def test_a_model_with_torchs_sync_batch_norm_is_checked_in_one_process():
     def build(cfg=None):
         return nn.Sequential(nn.Linear(8, 4), nn.SyncBatchNorm(4))
 
-    ddp, sharded = doctor_processes.processes_check(build, doctor_checks.to_float64(BATCH), loss_fn, cfg_for())
+    ddp, sharded = doctor_processes.processes_check(build, to_float64(BATCH), loss_fn, cfg_for())
     assert ddp["status"] == sharded["status"] == "warn" and "SyncBatchNorm" in ddp["summary"], ddp
-    row = doctor_equivalence.equivalence_check(build().double(), doctor_checks.to_float64(BATCH), loss_fn)
+    row = doctor_equivalence.equivalence_check(build().double(), to_float64(BATCH), loss_fn)
     assert row["status"] == "pass", row
 
 
@@ -391,10 +402,7 @@ def test_a_synchronised_norm_and_a_plain_model_are_the_same_on_one_process_and_t
     synced = Normed()
     synced.norm.same_buffers_on_every_rank = True  # as the vision task's SyncBatchNorm2d says
     for model in (synced, nn.Linear(8, 4)):
-        assert (
-            doctor_equivalence.equivalence_check(model.double(), doctor_checks.to_float64(BATCH), loss_fn)["status"]
-            == "pass"
-        )
+        assert doctor_equivalence.equivalence_check(model.double(), to_float64(BATCH), loss_fn)["status"] == "pass"
 
 
 class Stateful(nn.Module):
@@ -430,7 +438,7 @@ WEIGHT_DIFFERS = "layer.weight differs after a resume"
 )
 def test_a_resume_that_is_not_exact_is_found(model, summary):
     row = doctor_equivalence.resume_check(
-        lambda: Stateful(**model), doctor_checks.halves(doctor_checks.to_float64(BATCH)), loss_fn, cfg_for()
+        lambda: Stateful(**model), model_checks.halves(to_float64(BATCH)), loss_fn, cfg_for()
     )
     assert row["status"] == ("fail" if summary else "pass"), row
     if summary:
@@ -541,7 +549,7 @@ class Scaled(nn.Module):
     ],
 )
 def test_the_shard_units_and_a_module_the_meta_start_cannot_reach(model, flags, status, named):
-    row = doctor_checks.sharding_check(lambda cfg: copy.deepcopy(model), model, cfg_for(*flags))
+    row = model_checks.sharding_check(lambda cfg: copy.deepcopy(model), model, cfg_for(*flags))
     assert row["status"] == status and named in row["summary"], row
 
 
@@ -565,7 +573,7 @@ def test_a_parameter_used_outside_its_shard_unit_fails_under_fsdp(reach, status)
     dropped = lambda cfg: nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))  # noqa: E731
     build = dropped if reach == "dropout" else (lambda cfg: Reaching(reach))
     state = torch.get_rng_state()
-    row = doctor_equivalence.fsdp_check(build, doctor_checks.to_float64(BATCH), loss_fn, cfg_for())
+    row = doctor_equivalence.fsdp_check(build, to_float64(BATCH), loss_fn, cfg_for())
     assert torch.equal(torch.get_rng_state(), state)
     assert row["status"] == status, row
     if status == "fail":
@@ -586,9 +594,9 @@ class Syncing(nn.Module):
 def test_a_host_sync_on_the_gpu_is_named_by_its_line():
     lines, first = inspect.getsourcelines(Syncing.forward)
     line = first + next(i for i, text in enumerate(lines) if ".item()" in text)
-    row = doctor_checks.gpu_sync_check(Syncing(), BATCH, loss_fn, cfg_for("--amp", "none"))
+    row = model_checks.gpu_sync_check(Syncing(), BATCH, loss_fn, cfg_for("--amp", "none"))
     assert row["status"] == "warn" and row["summary"].startswith(f"the host waits for the GPU at test_doctor.py:{line}")
-    assert doctor_checks.gpu_sync_check(nn.Linear(8, 4), BATCH, loss_fn, cfg_for("--amp", "none"))["status"] == "pass"
+    assert model_checks.gpu_sync_check(nn.Linear(8, 4), BATCH, loss_fn, cfg_for("--amp", "none"))["status"] == "pass"
 
 
 class Float32Only(nn.Module):
@@ -602,6 +610,6 @@ class Float32Only(nn.Module):
 
 def test_a_model_that_cannot_run_a_check_gets_a_warning_and_the_report_goes_on():
     (row,) = doctor.attempt("1 vs 2 processes", doctor_equivalence.equivalence_check, Float32Only().double(),
-                            doctor_checks.to_float64(BATCH), loss_fn)  # fmt: skip
+                            to_float64(BATCH), loss_fn)  # fmt: skip
     assert row["check"] == "1 vs 2 processes" and row["status"] == "warn", row
     assert row["summary"].startswith("not checked: it raises RuntimeError"), row

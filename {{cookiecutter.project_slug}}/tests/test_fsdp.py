@@ -35,16 +35,17 @@ from torch.distributed.checkpoint.staging import DefaultStager
 
 from config import Config
 from ddp_utils import export
-from ddp_utils.checkpoint.formats import check_sharded_checkpoint
+from ddp_utils.checkpoint.sharded import check_sharded_checkpoint
 from ddp_utils.configuration import parse_config
 from ddp_utils.contract import model_inputs
 from ddp_utils.core.compat import stager_reusable
-from ddp_utils.distributed.dist import DistContext
+from ddp_utils.distributed.process_group import DistContext
 from ddp_utils.doctor import memory as doctor_memory
 from ddp_utils.doctor import run as doctor
 from ddp_utils.doctor.numerics import TOLERANCES
 from ddp_utils.errors import ConfigError
-from ddp_utils.parallel.strategy import build_module, hsdp_replicas, mesh_group_settings
+from ddp_utils.parallel.model_init import build_module
+from ddp_utils.parallel.strategy import hsdp_replicas, mesh_group_settings
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp  # comparisons need --amp none

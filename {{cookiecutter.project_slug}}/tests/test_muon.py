@@ -6,7 +6,7 @@ matrices, never on a shard), resume after SIGTERM and after a SIGKILL of the who
 (both optimizers' state in the checkpoint), resume on another world size stays on course, fp16
 skips an overflowing step, the doctor passes, and a checkpoint of one optimizer is refused by
 the other. In float64, as the reference runs of the other tests (conftest.ReferenceRuns):
-Newton-Schulz then runs in float64 too (ddp_utils/optim/optimizer.py newton_schulz)."""
+Newton-Schulz then runs in float64 too (ddp_utils/optim/muon.py newton_schulz)."""
 
 import functools
 import json

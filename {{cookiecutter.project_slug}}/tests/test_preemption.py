@@ -28,7 +28,7 @@ from conftest import (
     wait_for,
 )
 
-from ddp_utils.distributed import dist as process_group
+from ddp_utils.distributed import process_group
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 

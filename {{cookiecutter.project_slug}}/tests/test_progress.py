@@ -1,6 +1,6 @@
 """Without a progress bar (stdout not a terminal), rank 0 is never silent for long: a line at
 least every --progress_every_seconds with the step of the planned total, the time per step, the
-time left and a loss (ddp_utils/observe/metrics.py: ProgressLine). Its only effect is that line."""
+time left and a loss (ddp_utils/observe/progress.py: ProgressLine). Its only effect is that line."""
 
 import logging
 import math
@@ -13,9 +13,9 @@ import torch
 from conftest import assert_same_parameters, read_metrics, run_training
 
 from config import Config
-from ddp_utils.observe import metrics
+from ddp_utils.observe import metrics, progress
 
-DURATION = r"\d+\.\ds|\d+m\d\ds|\d+h\d\dm"  # metrics.format_duration
+DURATION = r"\d+\.\ds|\d+m\d\ds|\d+h\d\dm"  # progress.format_duration
 LINE = re.compile(
     rf"\[rank (\d+)\] INFO progress: step (\d+)/(\d+) \(\d+%\), [\d.]+ m?s/step, ({DURATION}) left, loss (\S+) "
 )
@@ -74,11 +74,11 @@ def test_no_progress_lines_when_off_and_the_same_training_either_way(runs):
 
 
 def test_a_progress_line_is_due_when_the_next_step_would_end_past_the_interval():
-    assert not metrics.progress_due(10.0, 9.5, 1.0)
-    assert metrics.progress_due(10.0, 9.0, 1.0)
-    assert metrics.progress_due(10.0, 9.5, 1.0, step_seconds=0.6)  # the next step ends 1.1 s after the line
-    assert not metrics.progress_due(10.0, 9.5, 1.0, step_seconds=0.4)
-    assert not metrics.progress_due(1e9, 0.0, 0.0)  # 0 = off
+    assert not progress.progress_due(10.0, 9.5, 1.0)
+    assert progress.progress_due(10.0, 9.0, 1.0)
+    assert progress.progress_due(10.0, 9.5, 1.0, step_seconds=0.6)  # the next step ends 1.1 s after the line
+    assert not progress.progress_due(10.0, 9.5, 1.0, step_seconds=0.4)
+    assert not progress.progress_due(1e9, 0.0, 0.0)  # 0 = off
 
 
 class Clock:
@@ -113,28 +113,28 @@ def progress_lines(caplog):
 
 def test_progress_line_counts_any_line_and_reads_the_loss_only_when_due(captured):
     clock = Clock()
-    progress = metrics.ProgressLine(1.0, clock=clock)
+    progress_line = progress.ProgressLine(1.0, clock=clock)
     loss = torch.tensor(2.5)
     for step in (1, 2, 3):  # steps of 0.25 s: step 4 would end 1 s after the start
         clock.now = step * 0.25
-        progress.step_done(step, 11, loss if step == 3 else Unreadable(), period(0.25))
+        progress_line.step_done(step, 11, loss if step == 3 else Unreadable(), period(0.25))
     (line,) = progress_lines(captured)
     assert line.startswith("progress: step 3/11 (27%), 250.0 ms/step, 2.0s left, loss 2.5000")
     clock.now = 1.2
-    progress.printed()  # a loss line: the next progress line is due about a whole interval later
+    progress_line.printed()  # a loss line: the next progress line is due about a whole interval later
     clock.now = 1.6
-    progress.step_done(4, 11, Unreadable(), period(0.25))
+    progress_line.step_done(4, 11, Unreadable(), period(0.25))
     clock.now = 2.0
-    progress.step_done(5, 11, loss, period(0.25))
+    progress_line.step_done(5, 11, loss, period(0.25))
     assert len(progress_lines(captured)) == 2
 
 
 def test_progress_line_failure_turns_it_off_and_training_goes_on(captured):
     clock = Clock()
-    progress = metrics.ProgressLine(1.0, clock=clock)
+    progress_line = progress.ProgressLine(1.0, clock=clock)
     clock.now = 5.0
-    progress.step_done(3, 10, Unreadable(), period(0.5))  # no exception
-    assert progress.every == 0
+    progress_line.step_done(3, 10, Unreadable(), period(0.5))  # no exception
+    assert progress_line.every == 0
     assert any("progress line failed" in r.getMessage() for r in captured.records)
 
 

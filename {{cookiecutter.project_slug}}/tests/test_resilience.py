@@ -30,7 +30,7 @@ from conftest import (
     start_from,
 )
 
-from ddp_utils.checkpoint import formats as checkpoint_files
+from ddp_utils.checkpoint import loading
 from ddp_utils.errors import CheckpointError
 from model import ModelConfig
 from task import TASK
@@ -54,7 +54,7 @@ def test_resume_maps_the_checkpoint_into_host_memory(reference):
     (onto its GPU, in load_state_dict): nothing is loaded whole onto a device, and a node's
     processes share the file's pages."""
     path = checkpoint(reference.two, 16)
-    state = checkpoint_files.load_checkpoint(path)
+    state = loading.load_checkpoint(path)
     maps = Path("/proc/self/maps").read_text().splitlines()
     assert any(line.endswith(" " + os.path.realpath(path)) for line in maps), "not memory-mapped"
     assert {tensor.device.type for tensor in state["model"].values()} == {"cpu"}
@@ -73,10 +73,10 @@ def test_a_folder_of_both_strategies_resumes_its_newest_checkpoint(tmp_path):
     for step in (8, 16):
         (folder / f"step_{step:09d}.pt").write_bytes(b"")
     os.link(folder / "step_000000008.pt", folder / "last.pt")  # last.pt is step 8: older than 16
-    names = [path.name for path in checkpoint_files.checkpoint_candidates(folder)]
+    names = [path.name for path in loading.checkpoint_candidates(folder)]
     assert names == ["step_000000016.pt", "last", "step_000000012", "last.pt", "step_000000008.pt", "step_000000004"]
     with pytest.raises(CheckpointError, match="newest checkpoint .*step_000000016.pt, is one file"):
-        checkpoint_files.load_latest_checkpoint(folder, sharded_only=True)
+        loading.load_latest_checkpoint(folder, sharded_only=True)
 
 
 def test_resume_at_an_epoch_boundary_is_bit_identical(reference, tmp_path):

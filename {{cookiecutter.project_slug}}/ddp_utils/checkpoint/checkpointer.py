@@ -1,6 +1,7 @@
 """The Checkpointer: which checkpoint to resume, loading it on every rank, saving where training
 is, where in the epoch to continue, and whether the folder has room for the checkpoints before
-the first step. checkpoint_files.py holds the formats on disk, checkpoint_space.py their sizes.
+the first step. single_file.py and sharded.py hold the formats on disk, loading.py reads them
+back, space.py their sizes.
 
 A checkpoint holds the model and optimizer state (one file under ddp, shards under fsdp: the
 strategy's `save` and `load`), the loss scaler, the trainer's progress (epoch, step, samples),
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from ..core.logs import log, report
 from ..distributed.store_waits import agree, share_from_main, store_barrier
 from ..errors import CheckpointError, TrainingError
-from .formats import checkpoint_candidates, load_checkpoint, load_latest_checkpoint
+from .loading import checkpoint_candidates, load_checkpoint, load_latest_checkpoint
 from .space import one_file_bytes, optimizer_bytes, serialized_bytes, sharded_bytes, space, tensor_bytes
 
 

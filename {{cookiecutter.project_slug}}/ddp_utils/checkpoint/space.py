@@ -18,6 +18,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.logs import first_line
+from ..core.tensors import local
+
 # What a checkpoint adds to the bytes of each tensor it holds (measured with torch 2.13): in one
 # file (ddp: torch.save's zip record of the storage, its 64-byte alignment, the pickle that
 # rebuilds the tensor) about 300 bytes; under DCP (fsdp) each rank's shard of a tensor is a
@@ -38,10 +41,6 @@ def size_text(nbytes):
 
 
 # --- sizes ------------------------------------------------------------------------------
-
-
-def _local(tensor):
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class Tensors(NamedTuple):
@@ -76,7 +75,7 @@ def tensor_bytes(tree, once=True):
         elif not isinstance(item, torch.Tensor):  # a number, a string, a list of them: one value
             total += Tensors(values=1)
         else:
-            shard = _local(item)
+            shard = local(item)
             key = (shard.device, shard.untyped_storage().data_ptr()) if shard.numel() and once else id(item)
             if key not in seen:
                 seen.add(key)
@@ -96,7 +95,7 @@ def optimizer_bytes(optimizer):
             if state:
                 total += tensor_bytes(list(state.values()))
                 continue
-            shard = _local(parameter)
+            shard = local(parameter)
             key = (index, shard.dtype, shard.device)
             if key not in profiles:
                 profiles[key] = _state_per_parameter(optimizer, group, shard.dtype, shard.device)
@@ -289,14 +288,3 @@ def save_failure(folder, step, error, checkpoint, keep):
         f"{reason} in {folder}: {room.numbers(held=False)}; the checkpoint of step {step} is not saved and the ones "
         f"before it are untouched: {room.fix()}, then run the same command to resume"
     )
-
-
-def first_line(error):
-    """The first line of `error`'s message, or of the first failure DCP gathered from the ranks."""
-    failures = getattr(error, "failures", None)
-    if failures:
-        rank, failure = next(iter(failures.items()))
-        failure = failure[0] if isinstance(failure, tuple) else failure
-        return f"rank {rank}: {type(failure).__name__}: {first_line(failure)}"
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -105,3 +105,15 @@ def print_from_first(line, first, late_line):
 
 
 ERROR_WAIT_SECONDS = 30
+
+
+def first_line(error, limit=None):
+    """The first line of `error`'s message, or of the first failure DCP gathered from the ranks; its
+    type's name when it says nothing; at most `limit` characters."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank, failure = next(iter(failures.items()))
+        failure = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(failure).__name__}: {first_line(failure)}"[:limit]
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:limit]

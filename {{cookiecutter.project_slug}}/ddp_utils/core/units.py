@@ -12,4 +12,10 @@ def size_text(nbytes):
         value, unit = value / 1024, unit + 1
     if unit == 0:
         return f"{int(nbytes)} bytes"
-    return f"{value:.0f} {UNITS[unit]}" if abs(value) >= 100 else f"{value:.1f} {UNITS[unit]}" if abs(value) >= 10 else f"{value:.2f} {UNITS[unit]}"
+    return (
+        f"{value:.0f} {UNITS[unit]}"
+        if abs(value) >= 100
+        else f"{value:.1f} {UNITS[unit]}"
+        if abs(value) >= 10
+        else f"{value:.2f} {UNITS[unit]}"
+    )

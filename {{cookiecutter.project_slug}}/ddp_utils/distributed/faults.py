@@ -1,7 +1,7 @@
 """Faults: the error types, stop signals, the watchdog, what each step's agreement decides, and
 the exit path.
 
-Rules: a decision that ends or skips work is agreed by every rank (dist.Agreement) before it is
+Rules: a decision that ends or skips work is agreed by every rank (collectives.Agreement) before it is
 acted on; an error every rank agrees on is a `TrainingError` or `CheckpointError`, reported
 once without a traceback; anything else means the ranks are out of step: the root cause is
 logged first, on its rank, and the process exits without waiting for a peer (`exit_now`).
@@ -17,12 +17,45 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.logs import log, report
 from ..errors import CheckpointError, OutOfMemory, Preempted, RankGone, TrainingError
 
 FAILED_KEY = "failed"  # in the store: set by a rank that stops the job alone (OutOfMemory)
+
+
+LAUNCHER_STOP_GRACE = 90  # scripts/launch.sh's and slurm.sbatch's STOP_GRACE_SECONDS unless told
+TORCHRUN_STOP_WAIT = 30  # torchrun's own wait for its workers after passing a stop signal on
+
+
+@dataclass(frozen=True)
+class StopNotice:
+    """What a stop signal gives, read from the launcher's variables in this one place.
+
+    `grace_seconds`: from the signal to the kill of the whole job (STOP_GRACE_SECONDS, else the
+    scripts' default); `workers_seconds`: the workers' part of it, torchrun's wait after passing
+    the signal on (PET_SHUTDOWN_TIMEOUT: scripts/launch.sh sets it to STOP_GRACE_SECONDS less
+    10 s for the launchers, past 20 s), else torchrun's own 30 s; `source`: where that comes from."""
+
+    grace_seconds: int
+    workers_seconds: int
+    source: str
+
+
+def stop_notice(environ=os.environ):
+    """The StopNotice of this job's launcher, from its environment."""
+    grace, wait = (environ.get(name, "") for name in ("STOP_GRACE_SECONDS", "PET_SHUTDOWN_TIMEOUT"))
+    grace, wait = (int(value) if value.isdigit() else None for value in (grace, wait))
+    if wait is None and grace is not None:
+        wait = grace - 10 if grace > 20 else grace  # scripts/launch.sh's rule, written there in shell
+    if wait is None:
+        source = f"no STOP_GRACE_SECONDS (not scripts/launch.sh): torchrun's own {TORCHRUN_STOP_WAIT} s"
+        wait = TORCHRUN_STOP_WAIT
+    else:
+        source = f"STOP_GRACE_SECONDS {grace}" if grace is not None else f"PET_SHUTDOWN_TIMEOUT {wait}"
+    return StopNotice(LAUNCHER_STOP_GRACE if grace is None else grace, wait, source)
 
 
 class StopRequest:
@@ -160,7 +193,7 @@ class StepChecks:
     def __init__(self, cfg, fp16):
         self.cfg, self.fp16 = cfg, fp16
         self.skipped_in_a_row = 0  # fp16 steps skipped for overflow, in a row
-        self.in_flight = None  # (step, dist.Agreement, this rank's flags) of the last step
+        self.in_flight = None  # (step, collectives.Agreement, this rank's flags) of the last step
 
     def agree(self, step, agreement, flags, epoch):
         """Keep optimizer step `step`'s agreement (`flags`, summed over the ranks by `agreement`)
@@ -185,7 +218,7 @@ class StepChecks:
             self.in_flight[1].wait()
 
     def flags(self, stop_requested, loss_sum, norm, scale, new_scale):
-        """The step's flags and values, for dist.Agreement (which sums them over the ranks):
+        """The step's flags and values, for collectives.Agreement (which sums them over the ranks):
         `loss_sum` this rank's loss total, `norm` the gradients' (None when not measured),
         `scale` and `new_scale` fp16's loss scale before and after the step (tensors on the
         device: compared there, read by the host only when the agreement is, a step later)."""

@@ -17,13 +17,15 @@ from torch.utils._pytree import tree_map_only
 
 from ..checkpoint.checkpointer import rng_state, set_rng_state
 from ..contract import count_samples, model_inputs
+from ..core.logs import first_line
 from ..data.loaders import build_loaders, start_epoch
-from ..distributed.dist import DistContext
+from ..distributed.process_group import DistContext
 from ..errors import ConfigError, TrainingError
 from ..optim.optimizer import build_optimizer
-from ..parallel.strategy import build_module, build_strategy
-from .checks import check, first_line, halves, same, whole
+from ..parallel.model_init import build_module
+from ..parallel.strategy import build_strategy
 from .numerics import EXACT, FLOAT64_FIX, Tolerance, watching_casts
+from .rows import ERROR_LIMIT, check, halves, same, whole
 
 STREAM = 1234  # the random stream a rank draws from during training (any seed: the same in both runs)
 
@@ -198,7 +200,7 @@ def rank_data_check(task, cfg):
                     indices = sorted({0, 1, len(train_set) // 2, len(train_set) - 1} & set(range(len(train_set))))
                     built.append((len(train_set), {i: train_set[i] for i in indices}))
     except Exception as error:  # a dataset that calls collectives (a barrier) needs the processes
-        why = f"{type(error).__name__}: {first_line(error)}"
+        why = f"{type(error).__name__}: {first_line(error, ERROR_LIMIT)}"
         return check("data per rank", "warn", f"not checked: building it as rank {len(built)} of 2 raised {why}")
     (size, samples), (other_size, others) = built
     fix = "build the same dataset on every rank: train.py's DistributedSampler gives each rank its share"
@@ -250,7 +252,7 @@ def data_position_check(task, cfg):
             set_rng_state(states[RESUMED_AT - 1])  # the checkpoint's, restored after the build, as train.py does
             (resumed,), _ = read(loaders, 1, 1, start=RESUMED_AT * global_batch)
     except Exception as error:
-        why = f"{type(error).__name__}: {first_line(error)}"
+        why = f"{type(error).__name__}: {first_line(error, ERROR_LIMIT)}"
         return check("data position", "warn", f"not checked: reading the training set as rank 0 of 2 raised {why}")
     finally:
         for iterator in iterators:
@@ -287,7 +289,7 @@ def fsdp_check(build_model, batch, loss_fn, cfg):
         store = dist.HashStore()
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     except Exception as error:
-        return check("fsdp = ddp", "warn", f"not checked: gloo does not start here ({first_line(error)})")
+        return check("fsdp = ddp", "warn", f"not checked: gloo does not start here ({first_line(error, ERROR_LIMIT)})")
     watched, plain, running = [], None, None  # each step's casts; the plain model; the one stepping
     try:
         with generators_kept():
@@ -314,7 +316,7 @@ def fsdp_check(build_model, batch, loss_fn, cfg):
     except (TrainingError, ConfigError) as error:  # a setting --strategy fsdp refuses: it names the flag
         return check("fsdp = ddp", "fail" if cfg.strategy == "fsdp" else "warn", f"--strategy fsdp refuses: {error}")
     except Exception as error:  # the model's own code under FSDP: whatever it raises is the finding
-        why = f"{type(error).__name__}: {first_line(error)}"
+        why = f"{type(error).__name__}: {first_line(error, ERROR_LIMIT)}"
         if running is not None and running is plain:  # the plain model's step raised: not about fsdp
             return check("fsdp = ddp", "warn", f"not checked: a float64 step of the model raises {why}", FLOAT64_FIX)
         return check("fsdp = ddp", "fail", f"a step under fsdp raises {why}", FSDP_FIX)

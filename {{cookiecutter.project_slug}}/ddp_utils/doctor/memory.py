@@ -26,8 +26,8 @@ from ..checkpoint.space import (
 from ..contract import count_samples, model_inputs
 from ..core.precision import AMP_DTYPES, autocast
 from ..optim.optimizer import build_optimizer
-from ..parallel.strategy import shard_units
-from .checks import check, halves
+from ..parallel.model_init import shard_units
+from .rows import check, halves
 
 
 class LiveBytes(TorchDispatchMode):

@@ -22,11 +22,12 @@ from torch.utils._pytree import tree_map_only
 
 from ..contract import count_samples, model_inputs
 from ..core.files import write_atomically
-from ..distributed.dist import DistContext
+from ..core.logs import first_line
+from ..distributed.process_group import DistContext
 from ..errors import ConfigError
 from ..optim.optimizer import build_optimizer, clip_grad_norm
-from ..parallel.strategy import build_module, build_strategy
-from .checks import check, first_line, halves, whole
+from ..parallel.model_init import build_module
+from ..parallel.strategy import build_strategy
 from .equivalence import (
     FSDP_FIX,
     IN_PLACE_FIX,
@@ -36,6 +37,7 @@ from .equivalence import (
     without_dropout,
 )
 from .numerics import EXACT, Tolerance, watching_casts
+from .rows import ERROR_LIMIT, check, halves, whole
 
 
 def processes_check(build_model, batch, loss_fn, cfg):
@@ -285,7 +287,7 @@ def rank_main(folder, rank):
                 write_atomically(folder / f"{stage}.pt", lambda f, result=result: torch.save(result, f))
         dist.destroy_process_group()
     except Exception as error:
-        error = [stage, type(error).__name__, rank, first_line(error), time.time()]
+        error = [stage, type(error).__name__, rank, first_line(error, ERROR_LIMIT), time.time()]
         (folder / f"rank{rank}.error").write_text(json.dumps(error))
         sys.exit(1)
 

@@ -66,20 +66,10 @@ import torch
 
 from ..configuration import parse_config
 from ..core.files import write_atomically
-from ..core.logs import print_error
+from ..core.logs import first_line, print_error
 from ..errors import InputError
 from ..knobs import OneLineParser
 from ..train.out_of_memory import plan_settings
-from .checks import (
-    check,
-    first_line,
-    gpu_sync_check,
-    gradient_checks,
-    halves,
-    host_sync_check,
-    sharding_check,
-    to_float64,
-)
 from .equivalence import (
     data_position_check,
     equivalence_check,
@@ -88,8 +78,10 @@ from .equivalence import (
     resume_check,
 )
 from .memory import checkpoint_check, checkpoint_plan, memory_check, memory_plan
+from .model_checks import gpu_sync_check, gradient_checks, host_sync_check, sharding_check
 from .numerics import float64_fix
 from .processes import processes_check
+from .rows import ERROR_LIMIT, check, halves, to_float64
 
 NODES, GPUS_PER_NODE = {{ cookiecutter.num_nodes | int }}, {{ cookiecutter.gpus_per_node | int }}  # the job's size
 SAMPLES = 4  # the activations, 1 vs 2 processes and the resume on this many training samples
@@ -172,7 +164,7 @@ def attempt(name, run, *args):
     except InputError:
         raise
     except Exception as error:
-        why = f"not checked: it raises {type(error).__name__}: {first_line(error)}"
+        why = f"not checked: it raises {type(error).__name__}: {first_line(error, ERROR_LIMIT)}"
         return [check(name, "warn", why, float64_fix(error))]
     return rows if isinstance(rows, list) else [rows]
 

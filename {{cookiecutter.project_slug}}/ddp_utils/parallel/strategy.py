@@ -17,23 +17,22 @@ one loop. The weights start the same under both, as the model's own code makes t
 import contextlib
 import copy
 import functools
-import zlib
-from collections import Counter
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..checkpoint.formats import read_sharded_state, regroup_optimizer_state, save_checkpoint, save_sharded_checkpoint
-from ..contract import build_on_meta
+from ..checkpoint.sharded import read_sharded_state, regroup_optimizer_state, save_sharded_checkpoint
+from ..checkpoint.single_file import save_checkpoint
 from ..core.compat import BUFFER_SYNC, stager_reusable
 from ..core.precision import AMP_DTYPES
-from ..data.loaders import mix_seed
+from ..core.tensors import local
 from ..errors import CheckpointError, ConfigError, TrainingError
 from ..optim.optimizer import clip_grad_norm
+from .comm_hooks import register_comm_hook
+from .model_init import build_module, shard_units
 
 
 def build_strategy(cfg, ctx, build_model):
@@ -46,121 +45,6 @@ def build_strategy(cfg, ctx, build_model):
         return DDPStrategy(cfg, ctx, build_model)
     except ConfigError as error:
         raise TrainingError(str(error)) from None
-
-
-# --- initial weights --------------------------------------------------------------------
-
-
-def build_module(cfg, build_model, device, on_meta=False, shard=None):
-    """`build_model(cfg)` on `device` with its initial weights: the same under ddp and fsdp, on
-    one process or sharded over many (`shard(unit)` shards one unit in place).
-
-    How the weights are made is the model's choice:
-    - As built (a model without `init_weights`): `build_model(cfg)` runs on the CPU with torch's
-      generator seeded by --seed, and the weights its `__init__` made are kept (a zero-initialised
-      head stays zero); the model is then moved to `device`, and sharded unit by unit.
-    - Module by module (a model with `init_weights(name, module)`, or --init_on_meta): built on
-      the meta device, nothing allocated; each module's own tensors are materialised on the CPU
-      and initialised by its `reset_parameters()`, then `init_weights`, from a generator seeded
-      by (seed, its name), so the weights depend neither on construction order nor on device;
-      each unit (`shard_units`) is sharded before the next is made: a model too big for one
-      process never exists whole.
-    """
-    shard = shard or (lambda unit: None)
-    model = build_on_meta(build_model, cfg)
-    if model is None or not (on_meta or hasattr(model, "init_weights")):
-        if model is None and on_meta:
-            raise ConfigError("init_on_meta", "is true, but build_model(cfg) fails on the meta device: set it to false")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            model = build_model(cfg).to(device)
-        for unit in [*shard_units(model), model]:
-            shard(unit)
-        return model
-    done, made = set(), {}
-    holders = Counter(id(t) for m in model.modules() for t in _own_tensors(m) if t.is_meta)
-    for unit in [*shard_units(model), model]:  # the model last: what no unit holds
-        members = set(unit.modules())
-        for name, module in model.named_modules():
-            if module in done or module not in members:
-                continue
-            done.add(module)
-            # Its own tensors only: materialised on the CPU, initialised there (the CPU
-            # generator, whatever the device), then moved.
-            materialize(module, made, holders)
-            if not init_module(model, name, module, cfg.seed):
-                raise ConfigError(
-                    "init_on_meta",
-                    f"is true, but {name or 'the model'} ({type(module).__name__}) has parameters and no "
-                    "reset_parameters(), and the model no init_weights(name, module) to initialise it: set "
-                    "--init_on_meta false, or give the model an init_weights",
-                )
-            module._apply(lambda t: t.to(device), recurse=False)  # in place: tied weights stay tied
-        shard(unit)
-    return model
-
-
-def materialize(module, made, holders):
-    """Give `module`'s own meta tensors real (uninitialised) CPU memory. A parameter two modules
-    share (tied embeddings) becomes one tensor for both: `made` maps each meta tensor's id to
-    (it, its copy) until its last holder has it (Module.to_empty would give each holder its
-    own, silently untying them); then the entry goes, so sharding can free the whole tensor."""
-    for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-        if tensor.is_meta:
-            if id(tensor) not in made:
-                copy = torch.empty_like(tensor, device="cpu")
-                copy = nn.Parameter(copy, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else copy
-                made[id(tensor)] = (tensor, copy)  # the meta tensor kept alive: its id stays unique
-            setattr(module, name, made[id(tensor)][1])
-            holders[id(tensor)] -= 1
-            if holders[id(tensor)] == 0:
-                del made[id(tensor)]
-
-
-def _own_tensors(module):
-    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-
-
-def shard_units(model):
-    """The blocks FSDP shards one by one (a transformer layer, a ResNet stage): the model's
-    `shard_units()` if it says; else the children of its largest `nn.ModuleList` or
-    `nn.Sequential` (an `nn.TransformerEncoder`'s layers, an MLP's layers) that hold
-    parameters. The rest goes with the whole model, sharded last."""
-    if hasattr(model, "shard_units"):
-        return list(model.shard_units())
-    containers = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
-    if not containers:
-        return []
-
-    def blocks(container):
-        return [child for child in container.children() if _parameter_count(child)]
-
-    largest = max(containers, key=lambda m: (_parameter_count(m), len(blocks(m))))
-    return blocks(largest)
-
-
-def _parameter_count(module):
-    return sum(p.numel() for p in module.parameters())
-
-
-def init_module(model, name, module, seed):
-    """Initialise `module`'s own parameters and buffers, from a generator seeded by its name.
-
-    The module's `reset_parameters()` (PyTorch's defaults), then the model's own scheme where
-    it has one (`model.init_weights(name, module)`), which may redraw some of them. Returns
-    whether anything initialised it (modules without parameters need nothing)."""
-    if not _own_tensors(module):
-        return True
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(mix_seed(seed, zlib.crc32(name.encode())))
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-        if hasattr(model, "init_weights"):
-            model.init_weights(name, module)
-    return hasattr(module, "reset_parameters") or hasattr(model, "init_weights")
-
-
-# --- the strategies -----------------------------------------------------------------------
 
 
 class DDPStrategy:
@@ -403,37 +287,6 @@ def buffers_may_differ(module):
     return any(not (isinstance(o, synchronised) or getattr(o, "same_buffers_on_every_rank", False)) for o in owners)
 
 
-# --- gradient communication -------------------------------------------------------------
-
-
-def register_comm_hook(model, name):
-    """Compress gradients before DDP's all-reduce: fewer bytes over slow inter-node links."""
-    if name in ("bf16", "fp16"):
-        model.register_comm_hook(None, compressed_allreduce_hook(AMP_DTYPES[name]))
-    elif name == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-
-
-def compressed_allreduce_hook(dtype):
-    """Average each gradient bucket in `dtype` (half the bytes of fp32), then copy it back.
-
-    The same arithmetic as PyTorch's fp16/bf16_compress_hook, which refuses to run on gloo.
-    """
-
-    def hook(process_group, bucket):
-        group = process_group or dist.group.WORLD
-        compressed = bucket.buffer().to(dtype).div_(dist.get_world_size(group))
-        reduced = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-        def decompress(future):
-            return bucket.buffer().copy_(future.value()[0])
-
-        return reduced.then(decompress)
-
-    return hook
-
-
 def load_full_weights(module, weights):
     """Copy a whole state dict, which every rank holds, into the module's parameters and buffers
     in place (each rank keeps its own slice of an fsdp shard): the optimizer keeps the very
@@ -456,8 +309,4 @@ def model_state_bytes(model, optimizer):
     parameters = [p for p in model.parameters() if p.requires_grad]
     tensors = [*parameters, *parameters]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return sum(_local(t).numel() * t.element_size() for t in tensors)
-
-
-def _local(tensor):
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return sum(local(t).numel() * t.element_size() for t in tensors)

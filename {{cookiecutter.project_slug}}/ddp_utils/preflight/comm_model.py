@@ -6,9 +6,7 @@ Pure functions of sizes and measured all-reduce times: no collective, no device.
 
 import math
 
-COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
-POWERSGD_RANK = 1  # strategy.register_comm_hook's matrix_approximation_rank
-POWERSGD_MIN_COMPRESSION_RATE = 2  # PowerSGDState's default: smaller matrices go uncompressed
+from ..parallel.comm_hooks import POWERSGD_MIN_COMPRESSION_RATE, POWERSGD_RANK
 
 
 def bus_bandwidth(algbw, world_size):

@@ -48,39 +48,35 @@ from ..checkpoint.space import size_text
 from ..configuration import parse_config
 from ..core.collector import Collector
 from ..data.loaders import start_epoch
-from ..distributed.dist import (
+from ..distributed.device import choose_device
+from ..distributed.process_group import (
     DistContext,
-    choose_device,
     cleanup_distributed,
     process_env,
     processes_per_node,
     setup_distributed,
 )
 from ..errors import InputError, PreflightError
+from ..parallel.comm_hooks import COMM_HOOKS
 from ..train.inputs import check_inputs
 from ..train.trainer import Trainer
-from .checks import (
-    check_collective,
-    check_gpus,
-    check_network_identity,
-    check_own_gpu,
-    check_place,
-    log_nccl_network,
-    measure_allreduce,
-    read_nccl_network,
-    save_in_notice,
-    say,
-    slowest,
-    synchronize,
-    time_checkpoint_write,
-)
 from .comm_model import (
-    COMM_HOOKS,
     gradient_bytes,
     hook_advice,
     internode_bytes,
     predict,
     verdict,
+)
+from .local_checks import check_gpus, check_network_identity, check_own_gpu, check_place, say
+from .measure import (
+    check_collective,
+    log_nccl_network,
+    measure_allreduce,
+    read_nccl_network,
+    save_in_notice,
+    slowest,
+    synchronize,
+    time_checkpoint_write,
 )
 
 SIZES_MB = (1, 4, 16, 64, 256)
@@ -305,8 +301,8 @@ def main(task, argv=None):
                               "write_seconds": write_seconds if math.isfinite(write_seconds) else None,
                               **numbers}  # fmt: skip
                 report = {"world_size": ctx.world_size, "nodes": nodes, "processes_per_node": local_size,
-                          "backend": dist.get_backend(), "allreduce": table(rows),
-                          "one_node_allreduce": table(node_rows), **prediction, "verdict": summary,
+                          "backend": dist.get_backend(), "allreduce": bandwidth_rows(rows),
+                          "one_node_allreduce": bandwidth_rows(node_rows), **prediction, "verdict": summary,
                           "internode_bytes_per_step": crossing, "checkpoint": checkpoint}  # fmt: skip
                 print(json.dumps(report), flush=True)
             else:
@@ -334,6 +330,6 @@ def main(task, argv=None):
     return 0
 
 
-def table(rows):
+def bandwidth_rows(rows):
     return [{"size_bytes": size_mb * 2**20, "seconds": seconds, "algbw_gbps": algbw, "busbw_gbps": busbw}
             for size_mb, seconds, algbw, busbw in rows]  # fmt: skip

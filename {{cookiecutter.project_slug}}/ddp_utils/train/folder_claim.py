@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..core.files import fence
 from ..core.logs import log, stop_file_logging
-from ..distributed.faults import at_exit_now, not_at_exit_now
+from ..distributed.faults import at_exit_now, not_at_exit_now, stop_notice
 from ..distributed.store_waits import share_from_main
 from ..errors import ClaimRefused, InputError
 
@@ -58,18 +58,12 @@ def job_identity(environ):
     return f"torchrun run {run_id}" if run_id not in ("", "none") else None
 
 
-def stop_notice_seconds(environ):
-    """The launcher's time from a stop signal to the kill (scripts/launch.sh's STOP_GRACE_SECONDS)."""
-    value = environ.get("STOP_GRACE_SECONDS", "")
-    return int(value) if value.isdigit() else 90
-
-
 def claim_output_dir(ctx, output_dir, say):
     """Claim `output_dir` for this run; every rank calls it, before anything is written there.
     Returns the Claim (rank 0; others get one that holds nothing; its `note` says whose claim
     it took over) or raises InputError on every rank with rank 0's one line. `say(line)` tells
     that rank 0 waits for an earlier start (no log exists yet: nothing is written before the claim)."""
-    wait_seconds = STALE_SECONDS + stop_notice_seconds(os.environ)
+    wait_seconds = STALE_SECONDS + stop_notice(os.environ).grace_seconds
     claim = Claim(None, None)
     problem = None
     if ctx.is_main:

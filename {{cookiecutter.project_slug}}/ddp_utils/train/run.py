@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..configuration import parse_config, write_resolved_config
 from ..core.logs import launch_local_rank, print_error, print_from_first, rank_zero_only, setup_logging, warn_main
-from ..distributed.dist import cleanup_distributed, setup_distributed
 from ..distributed.faults import ExitPath, write_stop_status
+from ..distributed.process_group import cleanup_distributed, setup_distributed
 from ..distributed.store_waits import agree
 from ..errors import DeviceError, InputError
 from .folder_claim import claim_output_dir

@@ -21,7 +21,8 @@ from ..core.collector import Collector
 from ..core.logs import report, warn_main
 from ..core.precision import AMP_DTYPES, autocast, loss_scale
 from ..data.loaders import build_loaders, global_batch_size, mix_seed, seed_everything, start_epoch
-from ..distributed.dist import Agreement, set_tf32
+from ..distributed.collectives import Agreement
+from ..distributed.device import set_tf32
 from ..distributed.faults import StepChecks, StopRequest, Watchdog
 from ..distributed.store_waits import agree
 from ..errors import Preempted

@@ -5,7 +5,7 @@
 Prints one prediction per row, in order: a class label and its probability, or a number
 (regression). The rows need the feature columns the model was trained on, by name (other
 columns, the target among them, are ignored); they are standardised with the training rows'
-statistics, which the checkpoint holds (dataset.Table.data_state).
+statistics, which the checkpoint holds (Table.data_state in ddp_utils/data/tables.py).
 """
 
 import argparse
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from dataset import read_table, standardise
+from ddp_utils.data.tables import read_table, standardise
 from ddp_utils.errors import InputError
 from ddp_utils.inference import load_trained
 from ddp_utils.knobs import exit_with_error

@@ -192,7 +192,7 @@ def sync_batchnorms(module):
 def build_model(cfg):
     model = ResNet(cfg.num_classes, cfg.width, cfg.depth, cfg.channels_last)
     if cfg.sync_batchnorm:
-        # Where the model trains on GPUs (--device, ddp_utils.distributed.dist.choose_device), torch's fused
+        # Where the model trains on GPUs (--device, ddp_utils.distributed.device.choose_device), torch's fused
         # SyncBatchNorm; on the CPU the hand-written one. (Configs saved before --device: auto.)
         on_gpus = getattr(cfg, "device", "auto") != "cpu" and torch.cuda.is_available()
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if on_gpus else sync_batchnorms(model)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dataset import class_names, load_image, preprocess
+from dataset import class_names, preprocess
+from ddp_utils.data.images import load_image
 from ddp_utils.errors import ConfigError
 from ddp_utils.inference import load_trained, pick_device
 from model import build_model

@@ -20,7 +20,7 @@ import torch
 from conftest import PROJECT, TINY, load_final_model, read_metrics
 from slurm_cluster import FINISHED, slurm_fixture  # noqa: F401 (slurm_fixture: the `slurm` fixture)
 
-from ddp_utils.distributed import dist
+from ddp_utils.distributed import process_group
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
 
@@ -89,7 +89,7 @@ def batch_job(slurm, tmp_path_factory):
 
 def test_batch_script_trains_with_torchrun_on_one_node(slurm, batch_job):
     assert_succeeded(batch_job, slurm)
-    port = dist.job_port(batch_job.job_id)  # below the ephemeral range, as srun-style jobs
+    port = process_group.job_port(batch_job.job_id)  # below the ephemeral range, as srun-style jobs
     started = re.search(
         rf"slurm.sbatch: job {batch_job.job_id} \(restart 0\) on (\S+), 2 process\(es\) per node", batch_job.log
     )

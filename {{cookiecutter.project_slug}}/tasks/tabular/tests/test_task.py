@@ -14,10 +14,10 @@ from conftest import PROJECT, TINY, read_metrics, run_training, training_env
 from task_settings import COLUMNS, table, write_table
 from torch.utils.data import default_collate
 
-import dataset
 from config import Config
 from dataset import SyntheticClassification, build_datasets
 from ddp_utils.configuration import parse_config
+from ddp_utils.data import rows
 from ddp_utils.data.loaders import build_loaders, start_epoch
 from ddp_utils.observe import flops
 from task import TASK
@@ -183,12 +183,13 @@ def test_persistent_workers_still_get_fresh_noise_every_epoch():
 
 def test_input_noise_is_drawn_for_a_whole_batch_from_seed_epoch_and_index(monkeypatch):
     """A GPU would wait for the data otherwise: a batch's noise is one vectorised draw
-    (dataset.gaussian_noise), not a generator and a hash per sample, and each sample's noise
-    still depends on (seed, epoch, index) only: alone or in any batch, in any order, the same."""
+    (gaussian_noise in ddp_utils/data/rows.py), not a generator and a hash per sample, and each
+    sample's noise still depends on (seed, epoch, index) only: alone or in any batch, in any
+    order, the same."""
     data = SyntheticClassification(512, 8, 4, seed=3, split="train", noise_std=1.0)
     data.set_epoch(2)
-    draws, draw = [], dataset.gaussian_noise
-    monkeypatch.setattr(dataset, "gaussian_noise", lambda *args: draws.append(args) or draw(*args))
+    draws, draw = [], rows.gaussian_noise
+    monkeypatch.setattr(rows, "gaussian_noise", lambda *args: draws.append(args) or draw(*args))
     batch = data.__getitems__(list(range(256)))
     assert len(draws) == 1
     again = data.__getitems__([200, 3, 17])

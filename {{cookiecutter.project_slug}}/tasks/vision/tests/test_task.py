@@ -15,10 +15,11 @@ import torch
 from conftest import DATA, PROJECT, load_final_model, read_metrics, run_training, training_env
 from PIL import Image
 
-import dataset
 import prepare_data
 from config import Config
-from dataset import build_datasets, load_image
+from dataset import build_datasets
+from ddp_utils.data import images
+from ddp_utils.data.images import load_image
 from ddp_utils.errors import ConfigError
 from ddp_utils.parallel.strategy import buffers_may_differ
 from model import SyncBatchNorm2d, build_model
@@ -208,13 +209,13 @@ def test_the_check_decodes_only_new_or_changed_images(tmp_path, monkeypatch):
     decodes none of them, a changed file is decoded again, a bad one each time."""
     data = write_image_folder(tmp_path / "images", per_class=2)
     train, _ = build_datasets(Config(data_dir=str(data), val_fraction=0.5))
-    decoded, read_pixels = [], dataset.read_pixels
+    decoded, read_pixels = [], images.read_pixels
 
     def counting(path):
         decoded.append(path)
         return read_pixels(path)
 
-    monkeypatch.setattr(dataset, "read_pixels", counting)
+    monkeypatch.setattr(images, "read_pixels", counting)
     everything = range(len(train))
     assert train.check_samples(everything) == {} and len(decoded) == len(train) == 3
     decoded.clear()

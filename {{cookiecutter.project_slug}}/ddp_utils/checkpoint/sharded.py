@@ -1,172 +1,21 @@
-"""Checkpoints on disk: written whole or not at all, found newest first, read back checked.
+"""Sharded checkpoints (--strategy fsdp): one folder per checkpoint, every rank writing its shards.
 
-- ddp: one file, `checkpoints/step_000000040.pt`, written by rank 0 to a temporary name and
-  renamed; `last.pt` is a second name (a hard link) for the newest.
-- fsdp: one folder per checkpoint, every rank writing its shards in parallel (DCP), renamed when
-  complete; `last` is a symbolic link to the newest.
-A damaged checkpoint is skipped for an older one, with a warning; none readable is an error,
-never a silent fresh start.
+checkpoints/step_000000040/ holds one .distcp file per rank (its shards of the model and
+optimizer state), DCP's .metadata, and trainer.pt (epoch, step, random generators, config),
+written into .step_000000040.tmp/ and renamed when complete. `last` is a symbolic link to
+the newest one, replaced atomically.
 """
 
-import math
 import os
 import shutil
 from pathlib import Path
 
-import torch
-
-from ..core.files import fenced, remove_leftovers, replace_folder, write_atomically
+from ..core.files import fenced, replace_folder
 from ..core.logs import rank_zero_only, warn_main
 from ..distributed.store_waits import store_barrier
 from ..errors import CheckpointError, FolderLost
-from .space import SPACE_ERRNOS, first_line, one_file_bytes, save_failure, sharded_bytes, tensor_bytes
-
-
-def save_checkpoint(ctx, state, checkpoint_dir, step, keep, timeout_seconds):
-    """Write `state` as last.pt (and step_<step>.pt) atomically; call on every rank.
-
-    Global rank 0 writes; the others wait for it through the store, for up to `timeout_seconds`
-    (not --timeout_seconds: a large checkpoint on a slow file system takes its time). A failed
-    write stops every rank with the same error instead of a hang; a full disk is said in plain
-    words, with the space free and needed (checkpoint_space.save_failure).
-    """
-    error = _write_checkpoint(state, Path(checkpoint_dir), step, keep)
-    error = store_barrier(ctx, f"checkpoint_step_{step}", error, timeout_seconds)
-    if error:
-        raise CheckpointError(error)
-
-
-@rank_zero_only
-def _write_checkpoint(state, checkpoint_dir, step, keep):
-    """Each step that changes what the folder holds (the file in place, `last.pt`, pruning) is
-    fenced: a run whose folder was taken over stops before it, its own temporary file removed."""
-    try:
-        fenced()
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        last = checkpoint_dir / "last.pt"
-        if keep == 0:
-            _atomic_save(state, last)
-        else:
-            numbered = checkpoint_dir / f"step_{step:09d}.pt"
-            _atomic_save(state, numbered)
-            # last.pt is a second name for the same file: no second write, still atomic.
-            _atomic_link(numbered, last, state)
-            fenced()
-            for old in sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]:
-                old.unlink()
-        remove_leftovers(checkpoint_dir)  # a save killed half-way, by this run or an earlier one
-        _fsync_dir(checkpoint_dir)
-    except FolderLost as lost:  # the new owner's files are left as they are
-        return str(lost)
-    except Exception as error:  # OSError, or torch.save's RuntimeError when the disk fills mid-write
-        # The temporary file is gone (write_atomically): the free space is what the save found.
-        return save_failure(checkpoint_dir, step, error, one_file_bytes(tensor_bytes(state)), keep)
-    return None
-
-
-def _atomic_save(state, path):
-    write_atomically(path, lambda f: torch.save(state, f))
-
-
-def _atomic_link(target, path, state):
-    tmp = path.with_name(f".{path.name}.link")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(target, tmp)
-    except OSError as error:  # a file system without hard links: write the state again
-        if error.errno in SPACE_ERRNOS:  # not for a full disk, where it fails again, slowly
-            raise
-        _atomic_save(state, path)
-    else:
-        try:
-            fenced()
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def load_checkpoint(path):
-    """Load one checkpoint; a damaged or foreign one raises CheckpointError naming it.
-
-    A file (--strategy ddp) is the whole state. A folder (--strategy fsdp) gives the trainer's
-    state only, after checking that every shard its metadata names is there in full; the
-    model and optimizer shards are read later, by every rank (load_sharded_checkpoint).
-
-    The file is memory-mapped on the host, not read: each process copies what it needs from
-    it (onto its GPU, with load_state_dict), and the pages are the operating system's file
-    cache, shared by the processes of a node; nothing is first put whole on any GPU.
-    """
-    path = Path(path)
-    try:
-        if path.is_dir():
-            check_sharded_checkpoint(path)
-            path = path / "trainer.pt"
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as error:  # truncated zip, unpickling error, wrong format, I/O error
-        raise CheckpointError(f"checkpoint {path} is unreadable ({type(error).__name__}: {error})") from None
-
-
-def checkpoint_candidates(checkpoint_dir):
-    """Every checkpoint in `checkpoint_dir`, newest first: by the step in its name, `last.pt`
-    (or the folder `last` links to) before the numbered checkpoint it is the newest of. A
-    folder holding both kinds (--strategy switched) is ordered by step across them."""
-    checkpoint_dir = Path(checkpoint_dir)
-    numbered = [(int(p.name.removesuffix(".pt").removeprefix("step_")), 0, p) for p in checkpoint_dir.glob("step_*")
-                if p.name.removesuffix(".pt").removeprefix("step_").isdigit()]  # fmt: skip
-    ordered = list(numbered)
-    for name in ("last.pt", "last"):
-        last = checkpoint_dir / name
-        if last.exists():
-            same_kind = [(step, path) for step, _, path in numbered if path.is_dir() == last.is_dir()]
-            # The numbered checkpoint it is (a hard link, a symbolic link), else the newest of its kind.
-            steps = [step for step, path in same_kind if os.path.samefile(path, last)] or [
-                max((step for step, _ in same_kind), default=math.inf)
-            ]
-            ordered.append((steps[0], 1, last))
-    return [path for _, _, path in sorted(ordered, key=lambda entry: entry[:2], reverse=True)]
-
-
-def load_latest_checkpoint(checkpoint_dir, sharded_only=False):
-    """The newest readable checkpoint in `checkpoint_dir`, skipping damaged ones with a warning:
-    a file (--strategy ddp) or a folder of shards (fsdp); with `sharded_only` folders alone
-    (--strategy fsdp reads no one-file checkpoint; ddp reads both).
-
-    Returns (state, path), or (None, None) when the folder holds no checkpoint at all.
-    Raises CheckpointError when checkpoints exist but none is readable: starting fresh
-    over them would silently throw a run away.
-    """
-    everything = checkpoint_candidates(checkpoint_dir)
-    candidates = [path for path in everything if path.is_dir() or not sharded_only]
-    if everything and everything[0] not in candidates:
-        raise CheckpointError(
-            f"the newest checkpoint in {checkpoint_dir}, {everything[0].name}, is one file (--strategy ddp), which "
-            "--strategy fsdp does not read: resume with --strategy ddp, or pass another --output_dir"
-        )
-    for path in candidates:
-        try:
-            return load_checkpoint(path), path
-        except CheckpointError as error:
-            warn_main(f"{error}; trying an older checkpoint")
-    if candidates:
-        names = ", ".join(str(p) for p in candidates)
-        raise CheckpointError(f"no readable checkpoint among {names}; delete them or pass --resume none")
-    return None, None
-
-
-# --- sharded checkpoints (--strategy fsdp) ------------------------------------------------
-#
-# checkpoints/step_000000040/ holds one .distcp file per rank (its shards of the model and
-# optimizer state), DCP's .metadata, and trainer.pt (epoch, step, random generators, config),
-# written into .step_000000040.tmp/ and renamed when complete. `last` is a symbolic link to
-# the newest one, replaced atomically.
+from .single_file import atomic_save, fsync_dir
+from .space import first_line, one_file_bytes, save_failure, sharded_bytes, tensor_bytes
 
 
 class PendingCheckpoint:
@@ -243,7 +92,7 @@ def _prepare_sharded(tmp, trainer_state, step, size, keep):
         fenced()  # before anything is removed or written: no rank writes a shard otherwise
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way
         tmp.mkdir(parents=True)
-        _atomic_save(trainer_state, tmp / "trainer.pt")
+        atomic_save(trainer_state, tmp / "trainer.pt")
     except FolderLost as lost:
         return str(lost)
     except Exception as error:
@@ -268,7 +117,7 @@ def _publish_sharded(tmp, final, keep, size):
     """Rename the complete `tmp` to `final`, point `last` at it, then prune: at every moment
     `last` and the step folders are complete checkpoints."""
     try:
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         fenced()  # a folder taken over meanwhile: this run's shards are removed, nothing of the new owner's touched
         # The same step may be saved again (a run resumed from an older one).
         replace_folder(tmp, final)
@@ -276,7 +125,7 @@ def _publish_sharded(tmp, final, keep, size):
         link.unlink(missing_ok=True)
         link.symlink_to(final.name)
         os.replace(link, final.parent / "last")
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         # The newest `keep` step folders stay (at least the one `last` names), never this one.
         others = sorted(p for p in final.parent.glob("step_*") if p.is_dir() and p != final)
         fenced()

@@ -1,7 +1,6 @@
-"""doctor.py's rows, and the checks of the model's own code: its gradients (parameters that
-get none, entries zero in exact arithmetic, non-finite values), the units --strategy fsdp
-shards (and a meta-device start), and calls that make the host wait for the GPU. Each check
-returns a row (`check`): pass, warn or fail, with why and the fix."""
+"""The checks of the model's own code: its gradients (parameters that get none, entries zero in
+exact arithmetic, non-finite values), the units --strategy fsdp shards (and a meta-device
+start), and calls that make the host wait for the GPU. Each returns a row (rows.check)."""
 
 import ast
 import copy
@@ -10,20 +9,27 @@ import traceback
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from ..contract import count_samples, model_inputs, to_device
+from ..core.logs import first_line
 from ..core.precision import AMP_DTYPES, autocast
 from ..errors import ConfigError
-from ..parallel.strategy import build_module, shard_units
+from ..parallel.model_init import build_module, shard_units
 from .numerics import EXACT, NOISE
+from .rows import ERROR_LIMIT, check, to_float64
 
-PROJECT = Path(__file__).resolve().parents[1]  # the project: its own code, not this package's
+PACKAGE = Path(__file__).resolve().parents[1]  # ddp_utils, every folder of it: the machinery
+
+
+PROJECT = PACKAGE.parent  # the project: its own code, not this package's
+
 
 HOST_SYNCS = ("item", "tolist", "cpu", "numpy")
+
+
 # What torch.cuda.set_sync_debug_mode("warn") says at each sync (c10/cuda/CUDAFunctions.cpp). Its
 # first call in a process also warns that the mode "is a prototype feature and does not yet
 # detect all synchronizing operations": no sync (on an H200, that note alone made every task WARN).
@@ -31,47 +37,6 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 TOLERANCE = NOISE * EXACT  # a float64 gradient entry this small against the largest is zero in exact arithmetic
-
-
-def check(name, status, summary, fix=""):
-    return {"check": name, "status": status, "summary": summary, "fix": fix}
-
-
-def to_float64(batch):
-    return tree_map_only(torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, batch)
-
-
-def halves(batch):
-    """The first two halves of equal size (an odd sample left out): two ranks' shares."""
-    size = count_samples(batch) // 2
-    return [
-        tree_map_only(torch.Tensor, lambda t: t[:size], batch),
-        tree_map_only(torch.Tensor, lambda t: t[size : 2 * size], batch),
-    ]
-
-
-def same(a, b):
-    """Bit for bit the same (NaN included), for tensors, arrays and what holds them."""
-    (leaves, spec), (others, other_spec) = tree_flatten(a), tree_flatten(b)
-    return spec == other_spec and all(map(same_leaf, leaves, others))
-
-
-def same_leaf(x, y):
-    if not isinstance(x, (torch.Tensor, np.ndarray)):
-        return x == y or (x != x and y != y)  # NaN
-    x, y = torch.as_tensor(x), torch.as_tensor(y)
-    if x.shape != y.shape or x.dtype != y.dtype:
-        return False
-    return torch.equal(x, y) or (x.is_floating_point() and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
-
-
-def whole(tensor):
-    """A parameter as a plain tensor: FSDP's shards gathered (a collective), others detached."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
-
-
-def first_line(error):
-    return (str(error).strip().splitlines() or [""])[0][:200]
 
 
 def gradient_checks(model, batches, loss_fn, cfg):
@@ -255,7 +220,7 @@ def gpu_sync_check(model, batch, loss_fn, cfg):
                 torch.cuda.set_sync_debug_mode(previous)
     except Exception as error:  # out of memory on a small GPU, a CPU tensor made in forward...
         return check("host syncs on the GPU", "warn", f"not checked: a step raises {type(error).__name__}: "
-                     f"{first_line(error)}")  # fmt: skip
+                     f"{first_line(error, ERROR_LIMIT)}")  # fmt: skip
     if not found:
         return check("host syncs on the GPU", "pass", "a steady-state forward and backward never waits for the GPU")
     found = sorted(found)
@@ -269,5 +234,5 @@ def in_project(filename):
     package or torch."""
     path = Path(filename).resolve()
     installed = {".venv", "venv", "site-packages"} & set(path.parts)
-    machinery = {PROJECT / "doctor.py", *Path(__file__).parent.glob("*.py")}
-    return path.is_relative_to(PROJECT) and path not in machinery and not installed
+    machinery = path.is_relative_to(PACKAGE) or path == PROJECT / "doctor.py"
+    return path.is_relative_to(PROJECT) and not machinery and not installed
