@@ -4,8 +4,9 @@
 
 Bakes the tabular project and times `SyntheticClassification.__getitems__` (what the DataLoader
 calls per batch) with `--input_noise_std 0.1`, batch 1024 of 32 features: the project's draw
-(one vectorised counter-based draw per batch, `dataset.gaussian_noise`) against the earlier
-draw, reproduced here (a torch.Generator seeded per sample from (seed, epoch, index)). Then the
+(one vectorised counter-based draw per batch, `gaussian_noise` in ddp_utils/data/rows.py)
+against the earlier draw, reproduced here (a torch.Generator seeded per sample from (seed,
+epoch, index)). Then the
 whole DataLoader, main process and 2 persistent workers, as train.py builds it (its second
 epoch: workers already started). Both draws are functions
 of (seed, epoch, index) alone. A benchmark, not a test: it asserts nothing.

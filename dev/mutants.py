@@ -458,7 +458,7 @@ MUTANTS = [
         "augmentation_epoch_not_shared_with_workers",
         "the epoch set in a plain attribute: persistent DataLoader workers crop the first epoch's way "
         "ever after, and a resume reads other images (the vision bake's CI runs the doctor, not the SIGTERM test)",
-        "dataset.py",
+        "ddp_utils/data/images.py",
         "self.epoch.fill_(epoch)",
         "self.epoch = torch.tensor(epoch)",
         ("tests/test_doctor.py::test_the_shipped_task_passes_the_doctor",),
@@ -467,7 +467,7 @@ MUTANTS = [
     Mutant(
         "augmentation_from_the_global_rng",
         "crops and flips drawn from the process's generator, not (seed, epoch, index)",
-        "dataset.py",
+        "ddp_utils/data/images.py",
         "generator = torch.Generator().manual_seed(mix_seed(self.seed, int(self.epoch), index))",
         "generator = None",
         ("tests/test_task.py::test_augmentation_depends_on_seed_epoch_and_index_only",),
@@ -620,7 +620,7 @@ MUTANTS = [
     Mutant(
         "table_features_not_standardised",
         "a table's features reach the model on their own scales (the training rows' statistics unused)",
-        "dataset.py",
+        "ddp_utils/data/tables.py",
         'return torch.from_numpy((inputs - np.array(state["mean"])) / np.array(state["std"])).float()',
         "return torch.from_numpy(inputs).float()",
         ("tests/test_task.py::test_a_csv_with_unscaled_features_and_text_labels_trains",),
@@ -629,7 +629,7 @@ MUTANTS = [
     Mutant(
         "table_split_not_stratified",
         "the validation rows drawn from the whole table, not each class's share",
-        "dataset.py",
+        "ddp_utils/data/tables.py",
         "groups = [np.arange(rows)] if labels is None else",
         "groups = [np.arange(rows)] if True else",
         ("tests/test_task.py::test_the_validation_split_is_a_function_of_the_rows_and_seed",),
@@ -646,7 +646,7 @@ MUTANTS = [
     Mutant(
         "sixteen_bit_images_clipped",
         "16-bit images go through Pillow's convert('RGB'): everything but black turns white",
-        "dataset.py",
+        "ddp_utils/data/images.py",
         'if image.mode.startswith("I;16") or image.mode == "I":',
         "if False:",
         ("tests/test_task.py::test_16_bit_images_keep_their_values",),
@@ -655,7 +655,7 @@ MUTANTS = [
     Mutant(
         "image_check_cache_ignores_changes",
         "the image check's cache trusts a file it has seen, whatever its size and modification time now",
-        "dataset.py",
+        "ddp_utils/data/images.py",
         "return self.known.get(self.key(path)) == [stat.st_size, stat.st_mtime_ns]",
         "return self.key(path) in self.known",
         ("tests/test_task.py::test_the_check_decodes_only_new_or_changed_images",),
@@ -897,7 +897,7 @@ MUTANTS = [
     Mutant(
         "tabular_statistics_over_all_rows",
         "the table's features are standardised with statistics of the validation rows too (a leak)",
-        "dataset.py",
+        "ddp_utils/data/tables.py",
         'state["mean"], state["std"] = statistics(inputs[train_rows])',
         'state["mean"], state["std"] = statistics(inputs)',
         ("tests/test_task.py::test_the_saved_statistics_are_the_training_rows_own",),
@@ -906,7 +906,7 @@ MUTANTS = [
     Mutant(
         "tabular_target_statistics_over_all_rows",
         "a regression target is standardised with statistics of the validation rows too (a leak)",
-        "dataset.py",
+        "ddp_utils/data/tables.py",
         "statistics(targets[train_rows, None])",
         "statistics(targets[:, None])",
         ("tests/test_task.py::test_the_saved_statistics_are_the_training_rows_own",),
@@ -924,7 +924,7 @@ MUTANTS = [
     Mutant(
         "tabular_batch_as_samples",
         "the tabular rows' one gather returned as a list of samples: collated again one at a time",
-        "dataset.py",
+        "ddp_utils/data/rows.py",
         "return Batch(inputs, self.targets[index])",
         "return list(zip(inputs.unbind(), self.targets[index].unbind()))",
         ("tests/test_task.py::test_a_training_batch_is_the_datasets_one_gather_not_restacked_sample_by_sample",),

@@ -13,7 +13,6 @@ With --format hf, OUT is a folder `transformers.AutoModelForCausalLM.from_pretra
 loads. Under torchrun every process may run it; rank 0 alone writes OUT.
 """
 
-import argparse
 import warnings
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from .contract import build_on_meta
 from .core.files import write_atomically
 from .core.logs import exit_with_error, rank_zero_only
 from .errors import CheckpointError, ConfigError
+from .knobs import OneLineParser
 
 
 def consolidated(task, path):
@@ -71,7 +71,7 @@ def export(task, checkpoint, out, format="pt"):
 
 def main(task, argv=None):
     """Export a checkpoint of `task` (contract.Task); returns the exit code."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="export.py", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint folder (fsdp) or file (ddp) that train.py wrote")
     parser.add_argument("out", help="the single file to write, e.g. model.pt (a folder with --format hf)")
     parser.add_argument(

@@ -99,3 +99,21 @@ def test_bad_value_under_torchrun_is_reported_once(tmp_path):
     assert (
         'train.py", line' not in result.stderr and 'trainer.py", line' not in result.stderr
     )  # torchrun's own summary may follow, no rank's traceback
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "arguments"),
+    [("train.py", []), ("doctor.py", []), ("preflight.py", []), ("export.py", ["a.pt", "out.pt"]),
+     ("sweep.py", ["sweep.toml"])],
+)  # fmt: skip
+def test_every_entry_point_refuses_a_bad_flag_in_one_line(entry_point, arguments):
+    """An unknown flag, or a missing argument, ends every entry point the same way: one line,
+    `error: ...` naming the culprit, exit status 2, no usage block nor traceback."""
+    for args in ([*arguments, "--no_such_flag"], [] if arguments else None):
+        if args is None:
+            continue  # an entry point that needs no argument
+        done = subprocess.run([sys.executable, entry_point, *args], cwd=PROJECT, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (entry_point, done.stderr)
+        assert "--no_such_flag" in lines[0] if args else "required" in lines[0] or "give" in lines[0], lines[0]

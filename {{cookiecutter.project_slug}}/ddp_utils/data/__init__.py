@@ -1,8 +1,14 @@
-"""The data side of training: which rank reads which samples, the loaders, seeding.
+"""The data side of training: which rank reads which samples, the loaders, seeding; and the
+datasets of the tasks' kinds of data that need no code of their own.
 
     loaders.py  which rank sees which samples, loaders, seeding, the batch a dataset gathers
+    rows.py     samples held in memory as tensors: a batch in one gather, noise from (seed, epoch, index)
+    tables.py   a CSV or Parquet table as training and validation rows: read, checked, split, standardised
+    images.py   an image folder as datasets: its layouts and split, decoding, the check of every file
 
-The names a task's dataset.py imports are here: `from ddp_utils.data import mix_seed, Batch`.
+The names every task's dataset.py may import are here: `from ddp_utils.data import mix_seed, Batch`.
+A table's and an image folder's come from their own modules (`from ddp_utils.data.tables import
+table_datasets`): importing the shared names loads neither.
 """
 
 from .loaders import Batch, mix_seed

@@ -14,7 +14,6 @@ by another worker and run again from its checkpoint (the same folder). The same 
 started again continues the study. docs/sweeps.md has the file's keys and an example.
 """
 
-import argparse
 import os
 import signal
 import socket
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from ..core.logs import print_error
 from ..errors import InputError
+from ..knobs import OneLineParser
 from .file import read_sweep
 from .trial import (
     evaluation_lines,
@@ -309,7 +309,7 @@ def params_text(params):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="sweep.py",
         description="Sweep Config fields with Optuna: each trial a training run (docs/sweeps.md).",
     )

@@ -1,5 +1,5 @@
 """What must hold before a run writes anything: the task, its datasets (read, split, scanned for
-bad samples) and the trackers' packages, agreed by every rank (trainer.run calls it first)."""
+bad samples) and the trackers' packages, agreed by every rank (train/run.py calls it first, as does the preflight)."""
 
 from ..contract import DATASET_HOOKS, near_misses
 from ..core.logs import rank_zero_only
