@@ -108,7 +108,7 @@ MUTANTS = [
     Mutant(
         "non_atomic_last",
         "last.pt written in place after the numbered file",
-        "ddp_utils/checkpoint/formats.py",
+        "ddp_utils/checkpoint/single_file.py",
         "            _atomic_link(numbered, last, state)",
         "            torch.save(state, last)",
         (f"{RESILIENCE}::test_a_crash_during_any_checkpoint_write_loses_nothing",),
@@ -174,7 +174,7 @@ MUTANTS = [
     Mutant(
         "store_prefix_removed",
         "restarted groups share store keys with dead ones",
-        "ddp_utils/distributed/dist.py",
+        "ddp_utils/distributed/process_group.py",
         "        store = dist.PrefixStore(group_prefix(os.environ, world_size), store)\n",
         "",
         (f"{PREEMPTION}::test_each_restart_and_group_size_gets_its_own_store_keys",),
@@ -221,9 +221,9 @@ MUTANTS = [
     Mutant(
         "checkpoint_wait_in_a_collective",
         "ranks wait for rank 0's write in a collective",
-        "ddp_utils/checkpoint/formats.py",
+        "ddp_utils/checkpoint/single_file.py",
         '    error = store_barrier(ctx, f"checkpoint_step_{step}", error, timeout_seconds)\n',
-        "    from .dist import any_rank\n\n    any_rank(error is not None, device=ctx.device)\n",
+        "    from ..distributed.collectives import any_rank\n\n    any_rank(error is not None, device=ctx.device)\n",
         (f"{PREEMPTION}::test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1",),
     ),
     Mutant(
@@ -263,7 +263,7 @@ MUTANTS = [
     Mutant(
         "agreement_drops_tensor_values",
         "on the CPU the step agreement sends its Python flags only: the loss and norm values are left out",
-        "ddp_utils/distributed/dist.py",
+        "ddp_utils/distributed/collectives.py",
         "[float(value) for value in values]",
         "[0.0 if isinstance(value, torch.Tensor) else float(value) for value in values]",
         (f"{CORRECTNESS}::test_non_finite_loss_on_one_rank_stops_every_rank",),
@@ -271,7 +271,7 @@ MUTANTS = [
     Mutant(
         "doctor_misses_unused_parameters",
         "doctor.py reports every parameter as used",
-        "ddp_utils/doctor/checks.py",
+        "ddp_utils/doctor/model_checks.py",
         "    unused = [name for name, p in named if p.grad is None]\n",
         "    unused = []\n",
         ("tests/test_doctor.py::test_each_fault_is_named",),
@@ -351,7 +351,7 @@ MUTANTS = [
     Mutant(
         "doctor_data_compares_nan_as_different",
         "doctor.py compares samples with torch.equal alone: a NaN in the data is a false fail",
-        "ddp_utils/doctor/checks.py",
+        "ddp_utils/doctor/rows.py",
         "    return torch.equal(x, y) or (x.is_floating_point() and torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))\n",
         "    return torch.equal(x, y)\n",
         ("tests/test_doctor.py::test_data_that_depends_on_the_rank_is_found",),
@@ -415,7 +415,7 @@ MUTANTS = [
     Mutant(
         "init_from_the_global_rng",
         "weights drawn from the global generator: a module-by-module start depends on the process's generator",
-        "ddp_utils/parallel/strategy.py",
+        "ddp_utils/parallel/model_init.py",
         "        torch.manual_seed(mix_seed(seed, zlib.crc32(name.encode())))\n",
         "",
         (f"{FSDP}::test_both_strategies_start_from_the_weights_the_model_makes",),
@@ -509,7 +509,7 @@ MUTANTS = [
     Mutant(
         "cpu_when_gpus_were_asked_for",
         "GPUs given but CUDA unusable: every rank trains on the CPU without a word",
-        "ddp_utils/distributed/dist.py",
+        "ddp_utils/distributed/device.py",
         '    asked = "--device cuda" if device == "cuda" else gpus_requested(environ)',
         "    asked = None",
         ("tests/test_diagnosis.py::test_gpus_asked_for_but_cuda_unusable_stops_with_one_line",),
@@ -533,7 +533,7 @@ MUTANTS = [
     Mutant(
         "one_group_state_misplaced",
         "an old one-group checkpoint's Adam moments go to the wrong parameters in the two groups",
-        "ddp_utils/checkpoint/formats.py",
+        "ddp_utils/checkpoint/sharded.py",
         "    new_index = {old_index[id(p)]: i for i, p in enumerate(ours)}",
         "    new_index = {i: i for i in range(len(ours))}",
         (f"{RESILIENCE}::test_checkpoint_of_the_one_group_optimizer_resumes_with_its_state",),
@@ -541,7 +541,7 @@ MUTANTS = [
     Mutant(
         "checkpoint_read_whole",
         "every rank reads the whole checkpoint into memory instead of mapping it",
-        "ddp_utils/checkpoint/formats.py",
+        "ddp_utils/checkpoint/loading.py",
         'map_location="cpu", mmap=True,',
         'map_location="cpu",',
         (f"{RESILIENCE}::test_resume_maps_the_checkpoint_into_host_memory",),
@@ -549,7 +549,7 @@ MUTANTS = [
     Mutant(
         "staging_buffers_allocated_per_save",
         "fsdp: each asynchronous save stages into freshly allocated host memory (DCP's default stager)",
-        "ddp_utils/checkpoint/formats.py",
+        "ddp_utils/checkpoint/sharded.py",
         ", async_stager=stager)",
         ")",
         (f"{FSDP}::test_sigterm_under_fsdp_saves_shards_and_resume_is_exact",),
@@ -557,7 +557,7 @@ MUTANTS = [
     Mutant(
         "tf32_through_the_new_api_only",
         "TF32 set with torch's fp32_precision alone: the legacy flags, which Inductor reads, then raise",
-        "ddp_utils/distributed/dist.py",
+        "ddp_utils/distributed/device.py",
         "    torch.backends.cuda.matmul.allow_tf32 = enabled\n"
         "    torch.backends.cudnn.allow_tf32 = enabled\n"
         '    torch.set_float32_matmul_precision("high" if enabled else "highest")\n',
@@ -585,7 +585,7 @@ MUTANTS = [
     Mutant(
         "user_init_thrown_away",
         "every module's reset_parameters() rerun after build_model: the model's own init is lost",
-        "ddp_utils/parallel/strategy.py",
+        "ddp_utils/parallel/model_init.py",
         "            model = build_model(cfg).to(device)\n",
         "            model = build_model(cfg).to(device)\n"
         '            [m.reset_parameters() for m in model.modules() if hasattr(m, "reset_parameters")]\n',
@@ -604,7 +604,7 @@ MUTANTS = [
     Mutant(
         "keep_checkpoints_ignored_for_one_file",
         "--keep_checkpoints ignored for single-file (ddp) checkpoints: no step file is ever pruned",
-        "ddp_utils/checkpoint/formats.py",
+        "ddp_utils/checkpoint/single_file.py",
         'sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]',
         "[]",
         (f"{RESILIENCE}::test_only_the_newest_checkpoints_are_kept",),
@@ -761,7 +761,7 @@ MUTANTS = [
     Mutant(
         "other_ranks_exit_before_rank0_reports",
         "a bad setting under torchrun: the other ranks exit at once and torchrun stops rank 0 before it prints",
-        "ddp_utils/knobs.py",
+        "ddp_utils/core/logs.py",
         "    if not first:\n        time.sleep(ERROR_WAIT_SECONDS)\n",
         "    if not first:\n        sys.exit(2)\n",
         ("tests/test_config.py::test_bad_value_under_torchrun_is_reported_once",),
@@ -853,7 +853,7 @@ MUTANTS = [
     Mutant(
         "progress_line_every_step",
         "without a progress bar, rank 0 prints a progress line after every step, not once an interval",
-        "ddp_utils/observe/metrics.py",
+        "ddp_utils/observe/progress.py",
         "    return every > 0 and now + step_seconds - last_line >= every\n",
         "    return every > 0\n",
         ("tests/test_progress.py::test_progress_lines_from_rank_zero_once_per_interval",),
@@ -959,7 +959,7 @@ MUTANTS = [
     Mutant(
         "half_written_save_not_cleared",
         "fsdp: a save killed half-way leaves its temporary folder, and saving that step again after the resume fails",
-        "ddp_utils/checkpoint/formats.py",
+        "ddp_utils/checkpoint/sharded.py",
         "        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way\n",
         "",
         ("tests/test_chaos.py",),
@@ -978,7 +978,7 @@ MUTANTS = [
     Mutant(
         "muon_rows_reassembled_out_of_order",
         "fsdp: Muon puts each matrix's rows together in the wrong ranks' order (no error says so)",
-        "ddp_utils/optim/optimizer.py",
+        "ddp_utils/optim/muon.py",
         "wholes = {p: torch.cat([rows[rank][i] for rank in ranks])",
         "wholes = {p: torch.cat([rows[rank][i] for rank in reversed(ranks)])",
         ("tests/test_muon.py::test_fsdp_orthogonalises_whole_matrices_and_trains_ddps_parameters_under_muon",),
@@ -986,7 +986,7 @@ MUTANTS = [
     Mutant(
         "muon_state_outside_the_checkpoint",
         "Muon's momentum kept beside the optimizer's state: a resume starts it from zero",
-        "ddp_utils/optim/optimizer.py",
+        "ddp_utils/optim/muon.py",
         '                if "momentum_buffer" not in self.state[p]:\n'
         '                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)\n'
         "            if stepped:\n"
@@ -1001,7 +1001,7 @@ MUTANTS = [
     Mutant(
         "muon_gram_on_the_large_side",
         "Newton-Schulz on a tall matrix as it is: its Gram matrix the large side (torch's bits lost)",
-        "ddp_utils/optim/optimizer.py",
+        "ddp_utils/optim/muon.py",
         "    x = matrices.mT if tall else matrices  # rows <= columns: the Gram matrices are the small side",
         "    x, tall = matrices, False",
         ("tests/test_muon.py::test_the_update_is_torch_optim_muons_to_the_bit",),
@@ -1009,7 +1009,7 @@ MUTANTS = [
     Mutant(
         "muon_every_rank_every_matrix",
         "ddp: every rank orthogonalises every matrix (the same result, the work not shared)",
-        "ddp_utils/optim/optimizer.py",
+        "ddp_utils/optim/muon.py",
         "        elif process_group is not None:",
         "        elif False:",
         ("tests/test_muon.py::test_each_rank_orthogonalises_its_share_of_the_matrices",),
