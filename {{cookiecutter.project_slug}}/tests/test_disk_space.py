@@ -1,7 +1,7 @@
 """Room for checkpoints: a disk that fills during training stops the save with one line in plain
 words, the checkpoints before it untouched, and the same command resumes once there is room; a
 disk too small for the kept checkpoints is said before the first step; the doctor says what
-each rank writes of a checkpoint.
+each rank writes of a checkpoint; every size is said in binary units (core.units.size_text).
 
 The checkpoint folder is a tmpfs of its own, mounted over output_dir/checkpoints (root only:
 the tests skip elsewhere), whose size a test changes while a run writes to it (a remount: no
@@ -34,6 +34,7 @@ from conftest import (
 
 from ddp_utils import export
 from ddp_utils.checkpoint import loading, sharded
+from ddp_utils.core.units import size_text
 from ddp_utils.doctor import memory as doctor_memory
 from task import TASK
 
@@ -80,9 +81,45 @@ def small_disk(tmp_path):
     disk.unmount()
 
 
-def megabytes(line, pattern):
-    """The bytes a line says in MB where `pattern` has N (e.g. "needs about N MB")."""
-    return float(re.search(re.escape(pattern).replace("N", r"([\d.]+)"), line)[1]) * 2**20
+UNIT_BYTES = {"byte": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def size_in(line, pattern):
+    """The bytes a line says where `pattern` has N, a size in any unit size_text writes (e.g.
+    "needs about N" in "... needs about 3.25 MiB ...")."""
+    size = r"(-?[\d.]+) (" + "|".join(UNIT_BYTES) + ")"
+    found = re.search(re.escape(pattern).replace("N", size), line)
+    assert found, (pattern, line)
+    return float(found[1]) * UNIT_BYTES[found[2]]
+
+
+@pytest.mark.parametrize(
+    "nbytes, text",
+    [
+        (0, "0 bytes"),
+        (1, "1 byte"),
+        (1023, "1023 bytes"),
+        (1024, "1.00 KiB"),
+        (1023.5, "1.00 KiB"),  # rounds to 1024 bytes: a KiB
+        (1536, "1.50 KiB"),
+        (10 * 2**20, "10.0 MiB"),
+        (10 * 2**20 - 1, "10.0 MiB"),  # 9.999...: three digits, not "10.00"
+        (99.96 * 2**20, "100 MiB"),  # not "100.0"
+        (1023.7 * 2**20, "1.00 GiB"),  # not "1024 MiB"
+        (1.5e9, "1.40 GiB"),  # a decimal 1.5 GB
+        (100 * 2**30, "100 GiB"),
+        (2**50, "1024 TiB"),  # TiB at most
+        (-3 * 2**20, "-3.00 MiB"),
+    ],
+)
+def test_sizes_are_said_in_binary_units_with_two_or_three_digits(nbytes, text):
+    assert size_text(nbytes) == text
+
+
+def test_every_size_said_reads_back_within_its_rounding():
+    for nbytes in [0, 1, 7, 999, 1000, 1023, 1024, 5000, 123_456, 10**7, 3 * 2**30, 10**12, 5 * 2**40]:
+        said = size_text(nbytes)
+        assert abs(size_in(f"x {said} y", "x N y") - nbytes) <= 0.005 * nbytes, (nbytes, said)
 
 
 def the_line(output, words):
@@ -124,9 +161,9 @@ def test_a_full_disk_stops_the_save_in_plain_words_and_the_same_command_resumes(
     assert f"no space left on device in {small_disk.path}: " in line
     saved = sorted(small_disk.path.glob("step_*.pt"))
     size = saved[-1].stat().st_size
-    needs = megabytes(line, "needs about N MB")
+    needs = size_in(line, "needs about N")
     assert abs(needs - size) < 0.1 * size, (line, size)  # the size it says is the checkpoint's
-    assert megabytes(line, "N MB free") < needs  # and the free space it says is less
+    assert size_in(line, "N free") < needs  # and the free space it says is less
     assert "--keep_checkpoints" in line and "run the same command to resume" in line
     assert not list(small_disk.path.glob(".*")), list(small_disk.path.iterdir())  # no temporary file left
     last = loading.load_checkpoint(small_disk.path / "last.pt")
@@ -152,7 +189,7 @@ def test_a_full_disk_under_fsdp_removes_the_partial_checkpoint_and_resumes(refer
     returncode, output = fill_during(command, small_disk, first, tmp_path / "log")
     assert returncode != 0, output
     line = the_line(output, "no space left on device in")
-    assert "is not saved" in line and megabytes(line, "N MB free") < megabytes(line, "needs about N MB")
+    assert "is not saved" in line and size_in(line, "N free") < size_in(line, "needs about N")
     assert not re.search(r'ddp_utils/checkpoint/\w+\.py", line', output)  # one line, no traceback
     assert not list(small_disk.path.glob(".*")), list(small_disk.path.iterdir())  # the partial folder is gone
     last = small_disk.path / "last"
@@ -181,10 +218,10 @@ def test_a_disk_too_small_for_the_kept_checkpoints_stops_before_the_first_step(r
     result = run_training(tmp_path / "run", *args, probe="float64", check=False)
     assert result.returncode == 1
     line = the_line(result.stdout, "not enough space for checkpoints in")
-    needs = megabytes(line, "needs about N MB")
+    needs = size_in(line, "needs about N")
     assert abs(needs - size) < 0.1 * size, (line, size)
-    assert abs(megabytes(line, "N MB free") - 3.5 * size) < 0.1 * size, line
-    peak = megabytes(line, f"--keep_checkpoints {keep} keeps up to N MB at once")
+    assert abs(size_in(line, "N free") - 3.5 * size) < 0.1 * size, line
+    peak = size_in(line, f"--keep_checkpoints {keep} keeps up to N at once")
     assert abs(peak - (keep + 1) * needs) < 0.02 * peak, line  # the kept ones and the one being written
     assert "pass --keep_checkpoints 2" in line, line  # what fits
     assert not list(small_disk.path.iterdir())  # nothing written

@@ -35,7 +35,7 @@ from ddp_utils.doctor import memory as doctor_memory
 from ddp_utils.doctor import model_checks
 from ddp_utils.doctor import processes as doctor_processes
 from ddp_utils.doctor import run as doctor
-from ddp_utils.doctor.rows import to_float64
+from ddp_utils.doctor.rows import halves, to_float64
 from task import TASK
 
 
@@ -189,7 +189,7 @@ def test_a_gpu_sync_is_named_by_the_projects_own_line_never_the_machinerys():
 
 
 def test_a_model_too_big_for_the_gpu_gets_the_way_to_fit():
-    """ddp holds 16 bytes a parameter: 8 million parameters do not fit 0.05 GB; sharded over 8
+    """ddp holds 16 bytes a parameter: 8 million parameters do not fit 0.05 GiB; sharded over 8
     GPUs they do; on 1 GPU nothing fits. On 2 nodes of 4, --strategy fsdp is hybrid (a replica
     a node) unless --replicate_degree 1 says otherwise."""
     model = nn.Sequential(*(nn.Linear(1000, 1000) for _ in range(8)))
@@ -208,6 +208,18 @@ def test_a_model_too_big_for_the_gpu_gets_the_way_to_fit():
         *doctor_memory.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 1, 1), cfg, 0.05, 1
     )
     assert row["status"] == "fail" and row["fix"].startswith("more GPUs with --strategy fsdp"), row
+
+
+def test_the_gpu_memory_is_in_gib_as_its_spec_sheet_says():
+    """--gpu_memory_gb is in GiB (2**30 bytes), as a GPU's spec sheet counts it (an "80GB" H100
+    has 80 GiB), and so is the row: a plan fits in 90% of it, to the byte."""
+    cfg = cfg_for("--amp", "none")
+    flags, fitting = {"ddp": "--strategy ddp"}, 0.9 * 2**30
+    row = doctor_memory.memory_check({"ddp": {"parameters": fitting, "activations": 0}}, flags, "ddp", cfg, 1, 1)
+    settings = f"per GPU at 1 GPUs, --batch_size {cfg.batch_size}, --amp none"
+    assert row["status"] == "pass" and row["summary"] == f"ddp 922 MiB {settings}: ddp fits 1 GiB", row
+    row = doctor_memory.memory_check({"ddp": {"parameters": fitting + 1, "activations": 0}}, flags, "ddp", cfg, 1, 1)
+    assert row["status"] == "fail" and row["summary"] == f"ddp 922 MiB {settings}: ddp does not fit 1 GiB", row
 
 
 def test_the_configured_strategy_is_the_one_judged():
@@ -437,9 +449,7 @@ WEIGHT_DIFFERS = "layer.weight differs after a resume"
     ],
 )
 def test_a_resume_that_is_not_exact_is_found(model, summary):
-    row = doctor_equivalence.resume_check(
-        lambda: Stateful(**model), model_checks.halves(to_float64(BATCH)), loss_fn, cfg_for()
-    )
+    row = doctor_equivalence.resume_check(lambda: Stateful(**model), halves(to_float64(BATCH)), loss_fn, cfg_for())
     assert row["status"] == ("fail" if summary else "pass"), row
     if summary:
         assert row["summary"] == summary and row["fix"], row

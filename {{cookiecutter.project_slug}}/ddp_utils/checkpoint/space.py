@@ -20,6 +20,7 @@ import torch
 
 from ..core.logs import first_line
 from ..core.tensors import local
+from ..core.units import size_text
 
 # What a checkpoint adds to the bytes of each tensor it holds (measured with torch 2.13): in one
 # file (ddp: torch.save's zip record of the storage, its 64-byte alignment, the pickle that
@@ -30,14 +31,6 @@ FILE_TENSOR_BYTES = 320
 SHARD_TENSOR_BYTES = 1800
 
 SPACE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
-
-
-def size_text(nbytes):
-    """Bytes as people read them: MB (2**20) with two or three significant digits, GB past 10."""
-    mb = nbytes / 2**20
-    if mb >= 10 * 1024:
-        return f"{mb / 1024:.0f} GB"
-    return f"{mb:.0f} MB" if mb >= 100 else f"{mb:.1f} MB" if mb >= 10 else f"{mb:.2f} MB"
 
 
 # --- sizes ------------------------------------------------------------------------------

@@ -1,7 +1,13 @@
 """doctor.py's memory plan: the bytes per GPU of parameters, gradients, AdamW's state and
 activations under ddp, fsdp over every GPU and hsdp, and whether the configured --strategy
 fits. The activations are measured (`LiveBytes`), not guessed from shapes. Beside it, what each
-rank writes of a checkpoint, and whether --output_dir has room for the kept ones."""
+rank writes of a checkpoint, and whether --output_dir has room for the kept ones.
+
+Units: the plan is in bytes, printed in binary units (core.units: MiB, GiB), and the GPU's
+memory, --gpu_memory_gb, is in GiB (2**30 bytes), as a GPU's spec sheet counts it: an "80GB"
+H100 has 80 GiB of memory, of which nvidia-smi shows about 79.6 GiB (81559 MiB) and torch
+(torch.cuda.mem_get_info, the out-of-memory line's total) a little less, the driver's share
+gone. A strategy fits where its plan is at most 90% of --gpu_memory_gb GiB."""
 
 import functools
 import weakref
@@ -19,12 +25,12 @@ from ..checkpoint.space import (
     optimizer_bytes,
     serialized_bytes,
     sharded_bytes,
-    size_text,
     space,
     tensor_bytes,
 )
 from ..contract import count_samples, model_inputs
 from ..core.precision import AMP_DTYPES, autocast
+from ..core.units import size_text
 from ..optim.optimizer import build_optimizer
 from ..parallel.model_init import shard_units
 from .rows import check, halves
@@ -133,18 +139,19 @@ def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node):
 
 
 def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
-    gb = 1e9
-    totals = {name: sum(plan.values()) / gb for name, plan in plans.items()}
-    summary = ", ".join(f"{name} {total:.2f} GB" if total >= 0.1 else f"{name} {1000 * total:.1f} MB"
-                        for name, total in totals.items())  # fmt: skip
+    """The memory plan's row: `plans` (bytes per GPU) against a GPU of `gpu_gb` GiB (--gpu_memory_gb)."""
+    totals = {name: sum(plan.values()) for name, plan in plans.items()}  # bytes
+    summary = ", ".join(f"{name} {size_text(total)}" for name, total in totals.items())
     summary += f" per GPU at {world_size} GPUs, --batch_size {cfg.batch_size}, --amp {cfg.amp}"
-    fits = {name: total <= 0.9 * gpu_gb for name, total in totals.items()}  # a tenth to fragmentation, the context
+    gpu = f"{gpu_gb:g} GiB"  # --gpu_memory_gb as given, in its unit
+    usable = 0.9 * gpu_gb * 2**30  # a tenth to fragmentation, the CUDA context
+    fits = {name: total <= usable for name, total in totals.items()}
     if configured is None:
         why = f"--replicate_degree {cfg.replicate_degree} does not divide the {world_size} GPUs"
         return check("memory plan", "fail", f"{summary}: {why}", "a --replicate_degree that divides them")
     if fits[configured]:
-        return check("memory plan", "pass", f"{summary}: {configured} fits {gpu_gb:g} GB")
-    activations = plans[configured]["activations"] / gb
+        return check("memory plan", "pass", f"{summary}: {configured} fits {gpu}")
+    activations = plans[configured]["activations"]
     fixes = [flags[name] for name in plans if fits[name]]
     if not fixes and totals[configured] - activations > 0.3 * totals[configured]:
         fixes.append("more GPUs with --strategy fsdp (the model state shards over them)")
@@ -153,7 +160,7 @@ def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
             fixes.append("--activation_checkpointing true")
         fixes.append(f"--batch_size {max(1, cfg.batch_size // 2)} --grad_accum_steps {2 * cfg.grad_accum_steps}")
     status = "warn" if any(fits.values()) else "fail"
-    return check("memory plan", status, f"{summary}: {configured} does not fit {gpu_gb:g} GB", "; or ".join(fixes))
+    return check("memory plan", status, f"{summary}: {configured} does not fit {gpu}", "; or ".join(fixes))
 
 
 def checkpoint_plan(model, cfg, world_size):

@@ -38,7 +38,8 @@ same config as training, and each check reports pass, warn or fail, with why and
               of what a forward and the loss hold, saved for backward or not, measured on a few
               samples under --amp and taken to --batch_size) under ddp, fsdp over every GPU and
               hsdp at the job's world size; whether the configured --strategy fits
-              --gpu_memory_gb, and what makes it fit
+              --gpu_memory_gb (GiB, as a GPU's spec sheet counts it: 80 for an "80GB" H100;
+              every size printed in binary units, MiB and GiB), and what makes it fit
   checkpoint space  the bytes of a checkpoint and what each rank writes of it (ddp: rank 0 all;
               fsdp: every GPU its shards), and whether --output_dir here holds the
               --keep_checkpoints kept and the one being written (a warning at most: the job's
@@ -177,11 +178,21 @@ def table(rows):
 
 def main(task, argv=None):
     """The doctor of `task` (contract.Task) with the flags in `argv`; returns the exit code."""
-    parser = OneLineParser(add_help=False)
-    parser.add_argument("--gpu_memory_gb", type=float, default=80.0)
-    parser.add_argument("--nodes", type=int, default=NODES)
-    parser.add_argument("--gpus_per_node", type=int, default=GPUS_PER_NODE)
+    parser = OneLineParser(add_help=False, description="The doctor's own flags (train.py's follow):")
+    parser.add_argument(
+        "--gpu_memory_gb",
+        type=float,
+        default=80.0,
+        help="memory of one GPU of the job in GiB (2**30 bytes), as its spec sheet says it: 80 for an 80GB H100 "
+        "(default %(default)g)",
+    )
+    parser.add_argument("--nodes", type=int, default=NODES, help="nodes of the job (default %(default)s)")
+    parser.add_argument(
+        "--gpus_per_node", type=int, default=GPUS_PER_NODE, help="GPUs of each node (default %(default)s)"
+    )
     own, rest = parser.parse_known_args(argv)
+    if {"-h", "--help"} & set(rest):
+        print(parser.format_help())  # then train.py's flags, from parse_config
     for name in ("gpu_memory_gb", "nodes", "gpus_per_node"):
         if not getattr(own, name) > 0:
             print_error(f"--{name} {getattr(own, name)}: must be positive")

@@ -6,6 +6,7 @@ Pure functions of sizes and measured all-reduce times: no collective, no device.
 
 import math
 
+from ..core.units import size_text
 from ..parallel.comm_hooks import POWERSGD_MIN_COMPRESSION_RATE, POWERSGD_RANK
 
 
@@ -16,11 +17,11 @@ def bus_bandwidth(algbw, world_size):
 
 def allreduce_seconds(num_bytes, rows):
     """Estimated all-reduce time for `num_bytes`, from the measured row of the nearest size
-    (0 without rows: nothing to all-reduce with)."""
+    (rows of measure_allreduce: the size in MiB first; 0 without rows: nothing to all-reduce with)."""
     if not rows or not num_bytes:
         return 0.0
-    size_mb, seconds, _, _ = min(rows, key=lambda row: abs(math.log(row[0] * 2**20 / num_bytes)))
-    return seconds * num_bytes / (size_mb * 2**20)
+    size_mib, seconds, _, _ = min(rows, key=lambda row: abs(math.log(row[0] * 2**20 / num_bytes)))
+    return seconds * num_bytes / (size_mib * 2**20)
 
 
 def gradient_bytes(parameters, hook):
@@ -124,7 +125,7 @@ def hook_advice(prediction):
     if hook:
         other = prediction["by_comm_hook"][hook]
         nodes_line += (
-            f"; --comm_hook {hook} would send {other['gradient_bytes'] / 2**20:.1f} MB a step for a "
+            f"; --comm_hook {hook} would send {size_text(other['gradient_bytes'])} a step for a "
             f"predicted {other['speedup']:.2f}x"
         )
     return nodes_line

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.space import existing, size_text
+from ..checkpoint.space import existing
+from ..core.units import size_text
 from ..distributed.faults import stop_notice
 from ..errors import PreflightError
 from .comm_model import (
@@ -20,7 +21,7 @@ from .comm_model import (
 )
 from .local_checks import say
 
-# Sizes past one all-reduce this long are not measured: on a slow link 256 MB takes minutes,
+# Sizes past one all-reduce this long are not measured: on a slow link 256 MiB takes minutes,
 # and the larger sizes add nothing (the time per byte is already the link's).
 SIZE_STOP_SECONDS = 1.0
 
@@ -40,13 +41,15 @@ def check_collective(ctx):
     return f"all-reduce of {ctx.world_size} ranks correct in {1000 * (time.perf_counter() - started):.1f} ms"
 
 
-def measure_allreduce(ctx, sizes_mb, group=None, iterations=3):
-    """Rows of (size_mb, seconds per all-reduce, algbw GB/s, busbw GB/s) over `group` (default:
-    all processes), every rank agreeing; stops after the first size slower than SIZE_STOP_SECONDS."""
+def measure_allreduce(ctx, sizes_mib, group=None, iterations=3):
+    """Rows of (size in MiB, seconds per all-reduce, algbw GB/s, busbw GB/s) over `group`
+    (default: all processes), every rank agreeing; stops after the first size slower than
+    SIZE_STOP_SECONDS. The bandwidths are rates as nccl-tests defines them: the bytes over the
+    seconds, in GB/s of 1e9 bytes a second (binary sizes, decimal rates: as nccl-tests prints)."""
     rows = []
     world_size = dist.get_world_size(group)
-    for size_mb in sizes_mb:
-        tensor = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32, device=ctx.device)
+    for size_mib in sizes_mib:
+        tensor = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32, device=ctx.device)
         dist.all_reduce(tensor, group=group)  # warm-up: connections, buffers
         synchronize(ctx)
         started = time.perf_counter()
@@ -54,8 +57,8 @@ def measure_allreduce(ctx, sizes_mb, group=None, iterations=3):
             dist.all_reduce(tensor, group=group)
         synchronize(ctx)
         (seconds,) = slowest(ctx, (time.perf_counter() - started) / iterations)
-        algbw = size_mb * 2**20 / seconds / 1e9
-        rows.append((size_mb, seconds, algbw, bus_bandwidth(algbw, world_size)))
+        algbw = size_mib * 2**20 / seconds / 1e9
+        rows.append((size_mib, seconds, algbw, bus_bandwidth(algbw, world_size)))
         if seconds > SIZE_STOP_SECONDS:  # the same decision on every rank: `seconds` is agreed
             break
     return rows

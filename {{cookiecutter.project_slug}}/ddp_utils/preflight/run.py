@@ -6,8 +6,8 @@
 Each process checks its place in the job, its GPUs and its network identity *before*
 joining the process group (a bad hostname makes gloo or NCCL hang, not fail; two processes
 on one GPU make NCCL fail with "Duplicate GPU detected"). Then all
-processes run a collective under a timeout and measure all-reduce bandwidth from 1 MB to
-256 MB. Rank 0 prints a table and a verdict: the estimated all-reduce time of this model's
+processes run a collective under a timeout and measure all-reduce bandwidth from 1 MiB to
+256 MiB. Rank 0 prints a table and a verdict: the estimated all-reduce time of this model's
 gradients per step against the measured compute time of a step, so you see before the job
 whether more nodes will train faster. Train flags (--hidden_dim, --batch_size, ...) size the
 model as for training. Exit status: 0 all good, 1 a problem was found.
@@ -23,6 +23,8 @@ process per node). Each comm hook sends other bytes (bf16: half; powersgd: two t
 per weight matrix): its step differs by the all-reduce time of those bytes at the measured
 bandwidth, and the verdict names the hook that pays most when the configured one does not.
 `--json` prints all of it as one object on rank 0 (stdout; the per-rank lines go to stderr).
+Sizes are in binary units (core.units: MiB, GiB); the bandwidths are rates, nccl-tests' algbw
+and busbw in its GB/s (1e9 bytes a second).
 
 The checkpoint folder: its free space against what the kept checkpoints of this job take at
 their peak (checkpoint_space; a shortfall is a problem), and how fast it takes a checkpoint
@@ -44,9 +46,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.space import size_text
 from ..configuration import parse_config
 from ..core.collector import Collector
+from ..core.units import size_text
 from ..data.loaders import start_epoch
 from ..distributed.device import choose_device
 from ..distributed.process_group import (
@@ -79,7 +81,8 @@ from .measure import (
     time_checkpoint_write,
 )
 
-SIZES_MB = (1, 4, 16, 64, 256)
+# The all-reduce sizes measured, in MiB (2**20 bytes); PREFLIGHT_MAX_MB, in MiB too, leaves out the larger.
+SIZES_MIB = (1, 4, 16, 64, 256)
 # Steps are timed over at least this long (and at least MIN_REPEATS of them): 5 steps of 60 ms
 # are a 0.3 s sample of a shared machine's speed, which stalls for longer than that.
 TIMED_SECONDS = 1.0
@@ -267,8 +270,8 @@ def main(task, argv=None):
         say(rank, check_collective(ctx), lines)
         if ctx.device.type == "cuda":
             say(rank, f"NCCL network: {read_nccl_network(nccl_log)}", lines)
-        max_mb = int(os.environ.get("PREFLIGHT_MAX_MB", SIZES_MB[-1]))
-        sizes = [size for size in SIZES_MB if size <= max_mb]
+        max_mib = int(os.environ.get("PREFLIGHT_MAX_MB", SIZES_MIB[-1]))
+        sizes = [size for size in SIZES_MIB if size <= max_mib]
         rows = measure_allreduce(ctx, sizes) if ctx.world_size > 1 else []
         local_size, nodes = ctx.local_world_size, ctx.nodes
         node_rows = []
@@ -308,14 +311,14 @@ def main(task, argv=None):
             else:
                 print(f"\nall-reduce over {ctx.world_size} processes ({dist.get_backend()}):")
                 print(f"{'size':>8} {'time':>10} {'algbw':>11} {'busbw':>11}")
-                for size_mb, seconds, algbw, busbw in rows:
-                    print(f"{size_mb:>5} MB {1000 * seconds:>7.2f} ms {algbw:>6.2f} GB/s {busbw:>6.2f} GB/s")
-                print(f"\nmodel: {sent[cfg.comm_hook] / 2**20:.1f} MB of gradients")
+                for size_mib, seconds, algbw, busbw in rows:  # rates in nccl-tests' GB/s: 1e9 bytes a second
+                    print(f"{size_mib:>4} MiB {1000 * seconds:>7.2f} ms {algbw:>6.2f} GB/s {busbw:>6.2f} GB/s")
+                print(f"\nmodel: {size_text(sent[cfg.comm_hook])} of gradients")
                 print(f"verdict: {summary}")
                 if nodes > 1:
                     if compute_seconds is not None:
                         print(f"nodes: {hook_advice(prediction)}")
-                    per_strategy = ", ".join(f"{name} {count / 2**20:.1f} MB" for name, count in crossing.items())
+                    per_strategy = ", ".join(f"{name} {size_text(count)}" for name, count in crossing.items())
                     print(f"inter-node traffic a step, each node: {per_strategy} (hsdp: a replica a node)", flush=True)
                 print(f"checkpoints: {saving}")
             if not (fits and as_json):  # with --json, a warning on stderr beside the object
@@ -331,5 +334,5 @@ def main(task, argv=None):
 
 
 def bandwidth_rows(rows):
-    return [{"size_bytes": size_mb * 2**20, "seconds": seconds, "algbw_gbps": algbw, "busbw_gbps": busbw}
-            for size_mb, seconds, algbw, busbw in rows]  # fmt: skip
+    return [{"size_bytes": size_mib * 2**20, "seconds": seconds, "algbw_gbps": algbw, "busbw_gbps": busbw}
+            for size_mib, seconds, algbw, busbw in rows]  # fmt: skip

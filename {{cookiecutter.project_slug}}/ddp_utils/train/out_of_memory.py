@@ -1,7 +1,8 @@
 """CUDA out of memory, named: torch's OutOfMemoryError caught where it happens (the forward, the
 first step's torch.compile, the backward, the optimizer step, evaluation) and turned into one
 line: the rank, the step, the phase, the memory in use and the GPU's total, the doctor's plan
-for this model at these settings when doctor.json has one, and the knobs that make it fit.
+for this model at these settings when doctor.json has one, and the knobs that make it fit. Every
+size in it is in binary units (core.units: MiB, GiB), the plan's as the GPU's.
 The run stops on every rank (errors.OutOfMemory: the first rank out of memory says it, the
 others leave), its last checkpoint untouched and its output folder let go of."""
 
@@ -11,9 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..core.units import size_text
 from ..errors import OutOfMemory
-
-GIB = 2**30
 
 
 class MemoryGuard:
@@ -51,8 +51,8 @@ def memory_in_use(device):
     except RuntimeError:  # the CUDA context itself is what failed
         return None
     return (
-        f"{allocated / GIB:.2f} GiB in tensors, {reserved / GIB:.2f} GiB reserved by torch, {free / GIB:.2f} GiB "
-        f"free of the GPU's {total / GIB:.2f} GiB"
+        f"{size_text(allocated)} in tensors, {size_text(reserved)} reserved by torch, {size_text(free)} free of the "
+        f"GPU's {size_text(total)}"
     )
 
 
@@ -65,7 +65,7 @@ def doctor_plan(cfg, ctx):
         return None
     if settings != plan_settings(cfg) or report.get("world_size") != ctx.world_size:
         return None
-    totals = ", ".join(f"{name} {sum(parts.values()) / 1e9:.2f} GB" for name, parts in plans.items())
+    totals = ", ".join(f"{name} {size_text(sum(parts.values()))}" for name, parts in plans.items())
     return f"the doctor's plan at these settings: {totals} per GPU (doctor.json)"
 
 

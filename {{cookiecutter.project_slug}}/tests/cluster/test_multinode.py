@@ -206,7 +206,7 @@ def test_preflight_across_two_hosts_measures_and_gives_a_verdict(hosts, tmp_path
     assert [p.wait(timeout=TIMEOUT) for p in processes] == [0, 0], describe(processes, logs)
     output = logs[0].read_text()
     assert "all-reduce of 2 ranks correct" in output
-    assert "   16 MB" in output and "GB/s" in output
+    assert "  16 MiB" in output and "GB/s" in output
     assert "verdict: per optimizer step: compute" in output
     assert "inter-node traffic a step, each node: ddp " in output and ", hsdp " in output
     assert "node1 resolves to 10.213.7.2; reaches MASTER_ADDR 10.213.7.1 via 10.213.7.2 on ddp0" in logs[1].read_text()
