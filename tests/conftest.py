@@ -11,6 +11,40 @@ TEMPLATE = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "seconds(n): about how long the test takes alone on the 2-core CI machine (the longest run first)"
+    )
+
+
+# The tests of minutes whose files set no `seconds` mark: about how long they take alone on the
+# 2-core CI machine, by the start of their node id (a file, or a test and its parameters).
+SECONDS = {
+    "tests/test_zoo.py": 300,  # a group: one worker runs its 6 tests, about 300 s in all
+    "tests/test_own_model.py": 165,
+    "tests/test_updates.py::test_a_project_of_the_flat_machinery": 85,
+    "tests/test_updates.py::test_cruft_update": 60,
+    "tests/test_combinations.py": 45,  # a group
+    "tests/test_bench.py::test_benchmark_runs_end_to_end": 30,
+}
+
+
+def expected_seconds(item):
+    mark = item.get_closest_marker("seconds")
+    if mark is not None:
+        return mark.args[0]
+    return max((seconds for start, seconds in SECONDS.items() if item.nodeid.startswith(start)), default=0)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own order (a module-scoped fixture's parameters together)
+def pytest_collection_modifyitems(items):
+    """The longest tests first, the others after them in their order. dev/test.sh's workers take
+    the tests in this order (--dist loadgroup, each worker a few ahead): a test of minutes taken
+    last would still run when the others are done, one of the 2 cores idle. (A group of
+    xdist_group runs where its first test is.)"""
+    items.sort(key=lambda item: -expected_seconds(item))
+
+
 def run(command, cwd, timeout=900, env_override=None):
     """Run a command with this environment's tools (cookiecutter, ruff, python) first on PATH."""
     env = dict(os.environ if env_override is None else env_override)

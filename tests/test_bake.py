@@ -144,35 +144,64 @@ GENERATED_TEST_MODULES.remove("cluster/test_kubernetes.py")  # kubernetes=no her
 GENERATED_TEST_MODULES.remove("cluster/test_skypilot.py")  # skypilot=no here: the tabular bake runs it
 # The modules of a few minutes run one by one, to spread over the workers. Together: the short
 # ones (each run starts Python, torch and the test data afresh), and those that share a session
-# fixture's training runs (a run of its own would make them again).
+# fixture's training runs (a run of its own would make them again), no group much longer than the
+# longest module: the main phase cannot end before its longest test does.
 TOGETHER = [
-    [
-        "test_config.py",
-        "test_data.py",
-        "test_diagnosis.py",
-        "test_doctor.py",
-        "test_inference.py",
-        "test_schedule.py",
-        "test_out_of_memory.py",
-    ],
-    ["test_preemption.py", "test_resilience.py"],  # the uninterrupted `reference` runs
+    ["test_preemption.py", "test_folder_claim.py"],  # the uninterrupted `reference.two`
+    ["test_resilience.py", "test_disk_space.py"],  # `reference.two` and `reference.one`
     ["cluster/test_multinode.py", "test_experiments.py"],  # `one_node_run`
+    ["test_config.py", "test_data.py", "test_diagnosis.py", "test_progress.py"],
+    ["test_doctor.py", "test_out_of_memory.py", "test_inference.py", "test_schedule.py", "test_contract.py"],
 ]
 GENERATED_TEST_RUNS = [" ".join(group) for group in TOGETHER]
 GENERATED_TEST_RUNS += [m for m in GENERATED_TEST_MODULES if not any(m in group for group in TOGETHER)]
 # These time training against a prediction: dev/test.sh runs them after the others, alone.
 ALONE = {"cluster/test_network.py"}
+# Run as the README's full suite runs, on pytest-xdist's 2 workers: modules of many short tests,
+# independent of each other (no training run shared through a fixture, which each worker would
+# make again) and timing nothing. Their run then takes a quarter less time where a core is free
+# (the end of the main phase), for a few per cent more CPU (the second worker's start).
+ON_TWO_WORKERS = {"test_doctor.py test_out_of_memory.py test_inference.py test_schedule.py test_contract.py"}
+# About how long each run takes alone on the 2-core CI machine, in seconds (a run not named here:
+# under a minute). Only their order matters: tests/conftest.py collects the longest first.
+SECONDS = {
+    "test_preemption.py test_folder_claim.py": 270,
+    "test_resilience.py test_disk_space.py": 220,
+    "test_fsdp.py": 210,
+    "test_correctness.py": 185,
+    "cluster/test_multinode.py test_experiments.py": 175,
+    "test_task.py": 140,
+    "test_muon.py": 130,
+    "test_chaos.py": 120,
+    "test_config.py test_data.py test_diagnosis.py test_progress.py": 115,
+    "test_doctor.py test_out_of_memory.py test_inference.py test_schedule.py test_contract.py": 115,  # on 2 workers (150 s on one)
+    "test_sweep.py": 100,
+    "test_observability.py": 85,
+    "cluster/test_sweep_array.py": 70,
+    "cluster/test_slurm.py": 60,
+    "test_train.py": 55,
+}
+
+
+def test_each_generated_module_runs_once():
+    """Every module of the generated suite is in one run of test_default_project_suite, once; the
+    runs named in SECONDS and ON_TWO_WORKERS are among them."""
+    assert sorted(m for run in GENERATED_TEST_RUNS for m in run.split()) == sorted(GENERATED_TEST_MODULES)
+    assert set(SECONDS) | ON_TWO_WORKERS <= set(GENERATED_TEST_RUNS) - ALONE
 
 
 @pytest.mark.parametrize(
-    "modules", [pytest.param(m, marks=pytest.mark.alone) if m in ALONE else m for m in GENERATED_TEST_RUNS]
-)
+    "modules",
+    [pytest.param(m, marks=pytest.mark.alone if m in ALONE else pytest.mark.seconds(SECONDS.get(m, 0)))
+     for m in GENERATED_TEST_RUNS],
+)  # fmt: skip
 def test_default_project_suite(default_project, modules):
     """The default bake (language, amp bf16) passes every module of its own suite, real
     2-process runs included; a few modules per test so that they spread over the workers."""
     paths = [f"tests/{module}" for module in modules.split()]
-    # The longest group took 620-700 s of a whole run here (4 workers on 2 cores): 1800 s before a hang is called.
-    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--full", *paths]
+    workers = ["-n", "2"] if modules in ON_TWO_WORKERS else []
+    # The longest run takes about 270 s alone here, twice that beside 3 others on 2 cores: 1800 s before a hang is called.
+    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--full", *workers, *paths]
     result = run(command, cwd=default_project, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "failed" not in result.stdout and (" passed" in result.stdout or " skipped" in result.stdout)
@@ -203,6 +232,7 @@ def collected(project, *args):
     return [line for line in result.stdout.splitlines() if line.startswith("tests/")]
 
 
+@pytest.mark.seconds(40)
 def test_a_plain_pytest_is_the_quick_check_and_an_unmarked_module_runs_in_the_full_suite(default_project, tmp_path):
     """`pytest` collects the tests marked quick, and nothing else; `pytest --full` everything. A
     module added without a mark (as anyone adds one) is in the full suite, not the quick check;
@@ -261,16 +291,33 @@ EXTRA = {
 }
 
 
-@pytest.mark.parametrize("task", TASKS[1:])
-def test_other_tasks_pass_their_tests(cookies, task):
+# A bake's tests in one run, but the tabular bake's (the longest) in two, its TASK_TESTS and its
+# EXTRA, to spread over the workers: (task, part, seconds alone on the 2-core CI machine).
+OTHER_TASK_RUNS = [("vision", "all", 190), ("tabular", "task", 190), ("tabular", "extra", 135)]
+
+
+def test_each_other_task_runs_all_its_tests():
+    """Every task but the default has its runs: one of all its tests, or one of each part."""
+    parts = {task: sorted(part for t, part, _ in OTHER_TASK_RUNS if t == task) for task in TASKS[1:]}
+    assert set(parts) == {task for task, _, _ in OTHER_TASK_RUNS}
+    assert all(runs in (["all"], ["extra", "task"]) for runs in parts.values()), parts
+
+
+@pytest.mark.parametrize(
+    "task, part",
+    [pytest.param(task, part, marks=pytest.mark.seconds(seconds), id=task if part == "all" else f"{task}-{part}")
+     for task, part, seconds in OTHER_TASK_RUNS],
+)  # fmt: skip
+def test_other_tasks_pass_their_tests(cookies, task, part):
     answers, extra_tests = EXTRA.get(task, ({}, []))
     project = bake_ok(cookies, task=task, **answers)
-    tests = [*TASK_TESTS, *extra_tests]
+    tests = [*(TASK_TESTS if part in ("all", "task") else []), *(extra_tests if part in ("all", "extra") else [])]
     result = run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--full", *tests], cwd=project)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "failed" not in result.stdout and " passed" in result.stdout
 
 
+@pytest.mark.seconds(70)
 def test_readme_quick_start_runs_as_written_with_two_nodes(cookies, tmp_path):
     """num_nodes=2 makes launch.sh default to two nodes; the quick start still runs on this
     machine. Each command as written (the CPU ones at experiments/quick_cpu.toml's sizes, one
@@ -291,6 +338,7 @@ def test_readme_quick_start_runs_as_written_with_two_nodes(cookies, tmp_path):
 
 
 @pytest.mark.parametrize("amp", ["fp16"])
+@pytest.mark.seconds(45)
 def test_other_amp_defaults_train(cookies, amp):
     """With another default amp, a 2-process run with the defaults trains, learns and writes
     complete checkpoints (test_train.py's tests on its shared run); every other test sets --amp

@@ -100,9 +100,18 @@ def test_progress_bar_on_a_terminal_only_from_rank_zero(tmp_path):
     assert "[rank 1]" not in output
 
 
-def test_no_progress_bar_when_disabled_or_not_a_terminal(tmp_path):
+@pytest.fixture(scope="module")
+def piped_run(tmp_path_factory):
+    """One process, one epoch, --amp none, --peak_tflops 100, its output to a pipe, not a terminal:
+    (its folder, the CompletedProcess), for the tests that only read what it wrote. (Counting the
+    FLOPs for MFU builds the model on the meta device: no random draw, the same training.)"""
+    output_dir = tmp_path_factory.mktemp("piped")
+    return output_dir, run_training(output_dir, "--amp", "none", "--epochs", "1", "--peak_tflops", "100", nproc=1)
+
+
+def test_no_progress_bar_when_disabled_or_not_a_terminal(tmp_path, piped_run):
     assert "100%" not in run_on_a_terminal(tmp_path / "off", "--progress_bar", "false", nproc=1)
-    piped = run_training(tmp_path / "piped", nproc=1)
+    _, piped = piped_run  # the bar's default, on
     assert "100%" not in piped.stdout + piped.stderr
 
 
@@ -140,12 +149,11 @@ def test_powersgd_hook_trains(tmp_path):
     assert read_metrics(tmp_path)[-1]["val_loss"] < task_settings.CHANCE_LOSS
 
 
-def test_compile_trains_and_matches_eager_closely(tmp_path):
+def test_compile_trains_and_matches_eager_closely(tmp_path, piped_run):
     """--compile: under ddp the whole wrapped model, under fsdp each shard unit in place (FSDP2's
     hooks between them stay eager); both train as the eager run does (float32, another order
     of the sums under fsdp: close, not equal)."""
-    run_training(tmp_path / "eager", "--amp", "none", "--epochs", "1")
-    eager = read_metrics(tmp_path / "eager")[0]
+    eager = read_metrics(piped_run[0])[0]
     flags = ["--amp", "none", "--epochs", "1", "--compile", "true"]
     ddp = run_training(tmp_path / "ddp", *flags, timeout=300, probe="record_compiled_units")
     half = ["--batch_size", str(TINY_CONFIG.batch_size // 2)]  # 2 processes: the same global batch
@@ -158,10 +166,10 @@ def test_compile_trains_and_matches_eager_closely(tmp_path):
         assert read_metrics(tmp_path / name)[0]["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-3), name
 
 
-def test_mfu_is_reported_where_the_peak_is_known(tmp_path):
+def test_mfu_is_reported_where_the_peak_is_known(piped_run):
     """--peak_tflops: the FLOPs of a sample counted on the meta device, MFU in every metrics line."""
-    run_training(tmp_path, "--peak_tflops", "100", "--epochs", "1", nproc=1)
-    assert all(0 < line["mfu"] < 1 for line in read_metrics(tmp_path))
+    lines = read_metrics(piped_run[0])
+    assert lines and all(0 < line["mfu"] < 1 for line in lines)
 
 
 def test_nothing_outside_the_step_stops_a_run(tmp_path):

@@ -12,6 +12,7 @@ from conftest import ARGS, ONE, TINY, TWO, run_training
 
 from config import Config
 from ddp_utils.configuration import parse_config
+from ddp_utils.core.units import size_text
 from ddp_utils.train.folder_claim import CLAIM_FILE
 from ddp_utils.train.out_of_memory import plan_settings
 
@@ -24,17 +25,19 @@ PHASES = {
 }
 
 
+# A doctor's memory plan, bytes per GPU under each strategy, by what they hold.
+PLANS = {"ddp": {"parameters": 1e9, "activations": 5e8}, "fsdp": {"parameters": 5e8}}
+
+
 def out_of_memory_run(output_dir, phase, rank=0, step=6, nproc=1, doctor_plan=False):
     """A run whose rank `rank` runs out of memory in `phase` of optimizer step `step`
     (checkpoints every 4 steps, a metrics line every 2); returns the CompletedProcess. With
-    `doctor_plan`, output_dir holds a doctor.json made for these settings (plans of 1.5 GB
-    under ddp, 0.5 GB under fsdp) beforehand."""
+    `doctor_plan`, output_dir holds a doctor.json made for these settings (PLANS) beforehand."""
     args = [*ARGS, *(TWO if nproc == 2 else ONE), "--eval_every_steps", "2"]
     args += ["--compile", "true"] if phase == "compile" else []
     if doctor_plan:
         output_dir.mkdir(parents=True)
-        plans = {"ddp": {"parameters": 1e9, "activations": 5e8}, "fsdp": {"parameters": 5e8}}
-        report = {"memory_bytes_per_gpu": plans, "world_size": nproc,
+        report = {"memory_bytes_per_gpu": PLANS, "world_size": nproc,
                   "settings": plan_settings(parse_config(Config, [*TINY, *args], resolve=False))}  # fmt: skip
         (output_dir / "doctor.json").write_text(json.dumps(report))
     env = {"OOM_PHASE": phase, "OOM_RANK": str(rank), "OOM_STEP": str(1 if phase == "compile" else step)}
@@ -67,8 +70,9 @@ def test_out_of_memory_in_each_phase_is_one_line_naming_where_and_what_helps(pha
     step = 1 if phase == "compile" else 6
     result = out_of_memory_run(tmp_path / "run", phase, step=step, doctor_plan=phase == "forward")
     line = assert_named_and_nothing_lost(result, tmp_path / "run", phase, 0, step)
-    if phase == "forward":  # the doctor's plan for these settings is named
-        assert "the doctor's plan at these settings: ddp 1.50 GB, fsdp 0.50 GB per GPU" in line, line
+    if phase == "forward":  # the doctor's plan for these settings is named, in the sizes of every line
+        ddp, fsdp = (size_text(sum(PLANS[strategy].values())) for strategy in ("ddp", "fsdp"))
+        assert f"the doctor's plan at these settings: ddp {ddp}, fsdp {fsdp} per GPU" in line, line
 
 
 def test_one_rank_out_of_memory_stops_every_rank_at_once(tmp_path):
