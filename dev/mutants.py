@@ -52,6 +52,7 @@ PREEMPTION = "tests/test_preemption.py"
 FSDP = "tests/test_fsdp.py"
 CLAIM = "tests/test_folder_claim.py"
 SWEEP = "tests/test_sweep.py"
+ACTIVATIONS = "tests/test_activation_checkpointing.py"
 
 MUTANTS = [
     Mutant(
@@ -1123,6 +1124,30 @@ MUTANTS = [
         "            preexec_fn=die_with_parent,",
         "            preexec_fn=None,",
         (f"{SWEEP}::test_every_trial_ends_with_its_reason_and_none_is_lost",),
+    ),
+    Mutant(
+        "checkpointed_recompute_draws_new_dropout",
+        "--activation_checkpointing's recompute does not restore the random generators: other dropout masks",
+        "ddp_utils/parallel/activation_checkpointing.py",
+        "use_reentrant=False, preserve_rng_state=True, context_fn=context",
+        "use_reentrant=False, preserve_rng_state=False, context_fn=context",
+        (f"{ACTIVATIONS}::test_a_checkpointed_step_is_the_same_step_to_the_bit",),
+    ),
+    Mutant(
+        "activation_checkpointing_does_nothing",
+        "--activation_checkpointing is accepted and checkpoints no block (the knob a no-op, as it was for any model but the GPT)",
+        "ddp_utils/parallel/activation_checkpointing.py",
+        '    chosen = blocks[::2] if mode == "every_other" else blocks\n',
+        "    chosen = []\n",
+        (f"{ACTIVATIONS}::test_every_mode_keeps_fewer_activations_than_none",),
+    ),
+    Mutant(
+        "recompute_updates_batch_norm_twice",
+        "a checkpointed block's recompute updates its batch norms' running statistics a second time",
+        "ddp_utils/parallel/activation_checkpointing.py",
+        "    return forward, _both(_statistics_frozen(block), recompute)",
+        "    return forward, recompute",
+        (f"{ACTIVATIONS}::test_a_checkpointed_step_is_the_same_step_to_the_bit",),
     ),
 ]
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from dataset import DataConfig
 from ddp_utils.configuration import RunConfig
 from ddp_utils.knobs import knob
+from ddp_utils.parallel.activation_checkpointing import ALIASES as AC_ALIASES
+from ddp_utils.parallel.activation_checkpointing import MODES as AC_MODES
 from ddp_utils.parallel.comm_hooks import COMM_HOOKS
 from model import ModelConfig
 
@@ -74,6 +76,13 @@ class Config(RunConfig, ModelConfig, DataConfig):
 
     # Speed
     compile: bool = knob(False, "torch.compile the DDP-wrapped model (PyTorch's documented order)")
+    activation_checkpointing: str = knob(
+        "none",
+        "recompute the blocks' activations in backward instead of keeping them: less memory, more compute "
+        "(full: every block; every_other: half of them; ops: keep matmul and attention outputs only)",
+        AC_MODES,
+        aliases=AC_ALIASES,
+    )
     tf32: bool = knob(True, "allow TF32 matmuls and convolutions on GPUs that have them")
     gradient_as_bucket_view: bool = knob(True, "gradients as views of DDP's buckets: saves a copy and memory")
     static_graph: bool = knob(False, "tell DDP the graph is the same every step (enables more overlap)")

@@ -12,6 +12,7 @@ config refer to them by name.
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import re
@@ -142,6 +143,23 @@ def _parse_bool(text):
 _parse_bool.__name__ = "bool"  # argparse names the type in its error: "invalid bool value"
 
 
+def unaliased(f, value):
+    """`value` for field `f`, a former spelling (knob's `aliases`; a TOML true or false too) read
+    as the value it names."""
+    aliases = f.metadata.get("aliases") or {}
+    key = toml_value(value) if isinstance(value, bool) else value
+    return aliases.get(key.lower(), value) if isinstance(key, str) and aliases else value
+
+
+def flag_type(f):
+    """What argparse turns a flag's text into, for field `f`."""
+    if f.type is bool:
+        return _parse_bool
+    if f.metadata.get("aliases"):
+        return functools.wraps(f.type)(lambda text: unaliased(f, text))
+    return f.type
+
+
 def build_parser(config_class):
     parser = OneLineParser(
         description="Train a model with PyTorch DDP. Every Config field is a flag.",
@@ -158,7 +176,7 @@ def build_parser(config_class):
     for f in dataclasses.fields(config_class):
         parser.add_argument(
             f"--{f.name}",
-            type=_parse_bool if f.type is bool else f.type,
+            type=flag_type(f),
             default=f.default,
             choices=f.metadata["choices"],
             metavar="true|false" if f.type is bool else None,
@@ -217,6 +235,7 @@ def read_config_file(path, config_class):
             elif name in values:
                 problems.append(f"key {place} is set twice (also as {where[name]})")
             else:
+                item = unaliased(fields[name], item)
                 values[name], where[name] = item, place
                 problem = type_problem(place, item, fields[name].type)
                 if problem:

@@ -15,9 +15,11 @@ from .errors import ConfigError, InputError
 __all__ = ["ConfigError", "InputError", "OneLineParser", "exit_with_error", "knob", "print_error"]
 
 
-def knob(default, help, choices=None):
-    """A config field with its help text (and allowed values) for --help and docs/configuration.md."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def knob(default, help, choices=None, aliases=None):
+    """A config field with its help text (and allowed values) for --help and docs/configuration.md.
+    `aliases`: other spellings a flag or a TOML file may give, each read as the value it names
+    (a knob's former values, so that the commands and files of projects made before still work)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases or {}})
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -86,11 +86,8 @@ ARGS += ["--checkpoint_every_steps", "2", "--keep_checkpoints", "100"]
 ARGS += ["--val_samples", "33"]
 TWO = ["--batch_size", "16"]  # x 2 processes x 2 micro-steps: a global batch of 64
 ONE = ["--batch_size", "32"]  # x 1 process x 2 micro-steps: the same global batch
-# With activation checkpointing where the model has it: it must combine with sharding.
-CHECKPOINTING = (
-    ["--activation_checkpointing", "true"] if "activation_checkpointing" in Config.__dataclass_fields__ else []
-)
-FSDP = ["--strategy", "fsdp", *CHECKPOINTING]
+# With activation checkpointing, any model's: it must combine with sharding.
+FSDP = ["--strategy", "fsdp", "--activation_checkpointing", "full"]
 # Hybrid sharding: 4 processes (x 8 x 2 micro-steps: the same global batch) as 2 replicas of 2
 # shards, as --replicate_degree's default makes of 2 nodes x 2 GPUs.
 HSDP = ["--batch_size", "8", *FSDP, "--replicate_degree", "2"]

@@ -9,6 +9,7 @@ H100 has 80 GiB of memory, of which nvidia-smi shows about 79.6 GiB (81559 MiB) 
 (torch.cuda.mem_get_info, the out-of-memory line's total) a little less, the driver's share
 gone. A strategy fits where its plan is at most 90% of --gpu_memory_gb GiB."""
 
+import copy
 import functools
 import weakref
 from pathlib import Path
@@ -32,7 +33,8 @@ from ..contract import count_samples, model_inputs
 from ..core.precision import AMP_DTYPES, autocast
 from ..core.units import size_text
 from ..optim.optimizer import build_optimizer
-from ..parallel.model_init import shard_units
+from ..parallel.activation_checkpointing import apply_activation_checkpointing
+from ..parallel.blocks import shard_units
 from .rows import check, halves
 
 
@@ -96,6 +98,15 @@ def replicas(cfg, world_size, gpus_per_node):
     return cfg.replicate_degree or (world_size // gpus_per_node if gpus_per_node > 1 else 1)
 
 
+def checkpointed(model, mode):
+    """`model` as --activation_checkpointing `mode` makes it in training: a copy, its blocks checkpointed."""
+    if mode == "none":
+        return model
+    model = copy.deepcopy(model)
+    apply_activation_checkpointing(model, mode)
+    return model
+
+
 def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node):
     """Bytes per GPU under ddp, fsdp over every GPU and hsdp (fsdp in replicas), and the flags
     of each: ({name: {part: bytes}}, {name: flags}, the configured one's name)."""
@@ -104,7 +115,7 @@ def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node):
     frozen = sum(p.numel() * p.element_size() for p in parameters) - trainable
     element = parameters[0].element_size() if parameters else 4
     compute = 2 if AMP_DTYPES[cfg.amp] is not None else element  # a parameter gathered for compute under fsdp
-    activations = activations_at(model, batch, loss_fn, cfg)
+    activations = activations_at(checkpointed(model, cfg.activation_checkpointing), batch, loss_fn, cfg)
     largest_unit = max((sum(p.numel() for p in unit.parameters()) for unit in shard_units(model)), default=0)
     largest_unit = largest_unit or sum(p.numel() for p in parameters)  # no units: the whole model is one
     default = replicas(cfg, world_size, gpus_per_node)
@@ -156,8 +167,8 @@ def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
     if not fixes and totals[configured] - activations > 0.3 * totals[configured]:
         fixes.append("more GPUs with --strategy fsdp (the model state shards over them)")
     if activations > 0.3 * totals[configured]:
-        if not getattr(cfg, "activation_checkpointing", True):
-            fixes.append("--activation_checkpointing true")
+        if cfg.activation_checkpointing == "none":
+            fixes.append("--activation_checkpointing full")
         fixes.append(f"--batch_size {max(1, cfg.batch_size // 2)} --grad_accum_steps {2 * cfg.grad_accum_steps}")
     status = "warn" if any(fits.values()) else "fail"
     return check("memory plan", status, f"{summary}: {configured} does not fit {gpu}", "; or ".join(fixes))

@@ -17,7 +17,8 @@ from ..contract import count_samples, model_inputs, to_device
 from ..core.logs import first_line
 from ..core.precision import AMP_DTYPES, autocast
 from ..errors import ConfigError
-from ..parallel.model_init import build_module, shard_units
+from ..parallel.blocks import shard_units
+from ..parallel.model_init import build_module
 from .numerics import EXACT, NOISE
 from .rows import ERROR_LIMIT, check, to_float64
 

@@ -13,9 +13,19 @@ from torch import nn
 from ..contract import build_on_meta
 from ..data.loaders import mix_seed
 from ..errors import ConfigError
+from .activation_checkpointing import apply_activation_checkpointing
+from .blocks import shard_units
 
 
 def build_module(cfg, build_model, device, on_meta=False, shard=None):
+    """`build_model(cfg)` as `_built` makes it, its blocks then checkpointed as
+    --activation_checkpointing says (before --compile and the strategy's wrapper)."""
+    model = _built(cfg, build_model, device, on_meta, shard)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    return model
+
+
+def _built(cfg, build_model, device, on_meta=False, shard=None):
     """`build_model(cfg)` on `device` with its initial weights: the same under ddp and fsdp, on
     one process or sharded over many (`shard(unit)` shards one unit in place).
 
@@ -83,28 +93,6 @@ def materialize(module, made, holders):
 
 def _own_tensors(module):
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-
-
-def shard_units(model):
-    """The blocks FSDP shards one by one (a transformer layer, a ResNet stage): the model's
-    `shard_units()` if it says; else the children of its largest `nn.ModuleList` or
-    `nn.Sequential` (an `nn.TransformerEncoder`'s layers, an MLP's layers) that hold
-    parameters. The rest goes with the whole model, sharded last."""
-    if hasattr(model, "shard_units"):
-        return list(model.shard_units())
-    containers = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
-    if not containers:
-        return []
-
-    def blocks(container):
-        return [child for child in container.children() if _parameter_count(child)]
-
-    largest = max(containers, key=lambda m: (_parameter_count(m), len(blocks(m))))
-    return blocks(largest)
-
-
-def _parameter_count(module):
-    return sum(p.numel() for p in module.parameters())
 
 
 def init_module(model, name, module, seed):

@@ -31,8 +31,9 @@ from ..core.precision import AMP_DTYPES
 from ..core.tensors import local
 from ..errors import CheckpointError, ConfigError, TrainingError
 from ..optim.optimizer import clip_grad_norm
+from .blocks import shard_units
 from .comm_hooks import register_comm_hook
-from .model_init import build_module, shard_units
+from .model_init import build_module
 
 
 def build_strategy(cfg, ctx, build_model):

@@ -75,7 +75,7 @@ def plan_settings(cfg):
         "batch_size": cfg.batch_size,
         "amp": cfg.amp,
         "strategy": cfg.strategy,
-        "activation_checkpointing": getattr(cfg, "activation_checkpointing", None),
+        "activation_checkpointing": cfg.activation_checkpointing,
     }
 
 
@@ -86,8 +86,8 @@ def fixes(cfg):
         knobs.append(
             f"--batch_size {cfg.batch_size // 2} --grad_accum_steps {2 * cfg.grad_accum_steps} (the same global batch)"
         )
-    if getattr(cfg, "activation_checkpointing", True) is False:
-        knobs.append("--activation_checkpointing true")
+    if cfg.activation_checkpointing == "none":
+        knobs.append("--activation_checkpointing full")
     if cfg.strategy == "ddp":
         knobs.append("--strategy fsdp")
     if cfg.amp != "bf16":

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ddp_utils.contract import build_on_meta
 from ddp_utils.errors import ConfigError
@@ -39,9 +38,6 @@ class ModelConfig:
     n_embd: int = knob(384, "width of the residual stream (a multiple of n_head)")
     dropout: float = knob(0.0, "dropout probability on embeddings, attention and residual branches, 0 = off")
     gelu: str = knob("exact", "the MLP's GELU: exact, or tanh (GPT-2's approximation)", choices=("exact", "tanh"))
-    activation_checkpointing: bool = knob(
-        False, "recompute each block's activations in backward: less memory, ~30% more compute"
-    )
     init_from: str = knob(
         "", "a local Hugging Face GPT-2 folder to start from (its config.json sets the shape), step 0 only"
     )
@@ -139,7 +135,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.block_size, self.activation_checkpointing = cfg.block_size, cfg.activation_checkpointing
+        self.block_size = cfg.block_size
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -174,13 +170,8 @@ class GPT(nn.Module):
         if T > self.block_size:
             raise ValueError(f"{T} tokens do not fit the context of --block_size {self.block_size}")
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(torch.arange(T, device=tokens.device)))
-        for block in self.blocks:
-            if self.activation_checkpointing and self.training:
-                # Keep only the block's input; backward reruns its forward (same dropout masks:
-                # checkpoint restores the RNG state).
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+        for block in self.blocks:  # --activation_checkpointing checkpoints each (the machinery's)
+            x = block(x)
         return self.lm_head(self.ln_f(x))
 
 
