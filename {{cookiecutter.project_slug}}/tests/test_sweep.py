@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LR, PROJECT, TINY_CONFIG, read_metrics, run_training, training_env
+from conftest import LR, PROJECT, TINY_CONFIG, read_metrics, run_training, saved_step, training_env
 
 from config import Config
 from ddp_utils.configuration import toml_value
@@ -95,21 +95,24 @@ def swept(tmp_path_factory):
     second = start_worker(path, tmp / "second.log")
     try:
         deadline = time.monotonic() + 120
-        killed_dir = None
+        killed_dir, killed = None, set()
         while killed_dir is None and time.monotonic() < deadline:
             for trial_dir in (folder / "trials").glob("trial_*") if (folder / "trials").exists() else []:
                 mine = [p for p in processes_of(trial_dir) if os.getppid() != p]
                 metrics = trial_dir / "metrics.jsonl"
                 if metrics.exists() and mine and any(second.pid == ppid(p) for p in mine):
-                    killed_dir = trial_dir
+                    killed_dir, killed = trial_dir, set(mine)
             time.sleep(0.2)
         assert killed_dir is not None, (tmp / "second.log").read_text()
         second.send_signal(signal.SIGKILL)
         second.wait()
-        deadline = time.monotonic() + 60  # the run's stop: a checkpoint, then the exit
-        while processes_of(killed_dir) and time.monotonic() < deadline:
+        # Its trial stops as a preemption does: a checkpoint, then the exit, long before its last
+        # step. (Its own processes: the other worker's retry of it runs in the same folder.)
+        deadline = time.monotonic() + 60
+        while killed & set(processes_of(killed_dir)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not processes_of(killed_dir), "the killed worker's trial trains on"
+        assert not killed & set(processes_of(killed_dir)), "the killed worker's trial trains on"
+        assert saved_step(killed_dir)[0] < STEPS, "the killed worker's trial trained on to its last step"
         assert first.wait(timeout=600) == 0, (tmp / "first.log").read_text()
     finally:
         for worker in (first, second):
