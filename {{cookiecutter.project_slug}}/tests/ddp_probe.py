@@ -161,13 +161,17 @@ def slow_until_joined():
 
 
 def slow_until_released():
-    """Sleep 200 ms in each training micro-step until the file $RELEASE_FILE exists: a run that
-    another run, started meanwhile, meets mid-way however long that one takes to start."""
+    """Sleep 200 ms in each training micro-step until the file $RELEASE_FILE exists, and with
+    $HOLD_AT_CALL, stop at that micro-step until it does: a run that another run, started
+    meanwhile, meets mid-way however long that one takes to start."""
     release = Path(os.environ["RELEASE_FILE"])
+    hold = int(os.environ.get("HOLD_AT_CALL", 0))
 
     def wait(loss, call):
         if not release.exists():
             time.sleep(0.2)
+        while call == hold and not release.exists():
+            time.sleep(0.1)
         return loss
 
     change_training_loss(wait)

@@ -40,16 +40,17 @@ def start_slow_run():
     """Start a 2-process float64 run (as the `reference` runs) that crawls, 200 ms a micro-step,
     until the file `release` exists; killed at the end of the test. Its output goes to
     `log` (default: the output folder's name + .log beside it); `probe` adds probes; with
-    `another_machine`, as on another machine that shares this file system."""
+    `another_machine`, as on another machine that shares this file system; `hold_at`: it stops
+    at that micro-step until released (it cannot end before, however slow the machine)."""
     processes = []
 
-    def start(output_dir, release, log=None, probe="", another_machine=False):
+    def start(output_dir, release, log=None, probe="", another_machine=False, hold_at=0):
         log = open(log or output_dir.parent / f"{output_dir.name}.log", "w")
         probes = ",".join(filter(None, ["float64,slow_until_released", probe]))
         command = training_command(output_dir, *ARGS, *TWO, nproc=2, probe=probes)
         if another_machine:
             command = on_another_machine(command)
-        process = subprocess.Popen(command, cwd=PROJECT, env=training_env({"RELEASE_FILE": str(release)}),
+        process = subprocess.Popen(command, cwd=PROJECT, env=training_env({"RELEASE_FILE": str(release), "HOLD_AT_CALL": str(hold_at)}),
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         processes.append(process)
         return process
@@ -85,7 +86,7 @@ def claim_ages(path, seconds):
 
 def test_a_second_run_into_a_live_folder_is_refused_and_the_first_ends_as_if_alone(reference, tmp_path, start_slow_run):
     output_dir, release = tmp_path / "run", tmp_path / "release"
-    first = start_slow_run(output_dir, release)
+    first = start_slow_run(output_dir, release, hold_at=24)  # alive, whatever the second's start takes
     wait_for(checkpoint(output_dir, 4), first)
     owner = json.loads((output_dir / CLAIM_FILE).read_text())
     # A relaunch with another --lr: refused before it writes anything.
@@ -151,7 +152,7 @@ def test_a_run_whose_folder_was_taken_over_stops_and_the_new_owner_ends_as_if_al
         os.kill(pid, signal.SIGSTOP)
     mine = json.loads((output_dir / CLAIM_FILE).read_text())
     release = tmp_path / "release"
-    second = start_slow_run(output_dir, release, log=tmp_path / "second.log", probe="fast_claim")
+    second = start_slow_run(output_dir, release, log=tmp_path / "second.log", probe="fast_claim", hold_at=24)
     deadline = time.monotonic() + 180
     while (taken := folder_claim.read_claim(output_dir / CLAIM_FILE)) is None or taken["token"] == mine["token"]:
         assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "second.log").read_text()

@@ -67,10 +67,20 @@ def apply_activation_checkpointing(model, mode):
                 f"{mode}: {type(block).__name__} checkpoints itself already (Hugging Face's gradient checkpointing "
                 "is on): leave it off in build_model and let this knob do it",
             )
+    _caches_off(model)
     chosen = blocks[::2] if mode == "every_other" else blocks
     for block in chosen:
         checkpoint_block(block, ops=mode == "ops")
     return len(chosen)
+
+
+def _caches_off(model):
+    """A Hugging Face model builds a key/value cache in its forward unless its config says not to
+    (`use_cache`); the recompute would write to it a second time (keys twice as long as the
+    mask). Training never reads it, so it is turned off, as transformers' own checkpointing does."""
+    for module in model.modules():
+        if getattr(getattr(module, "config", None), "use_cache", False) is True:
+            module.config.use_cache = False
 
 
 def checkpoint_block(block, ops=False):
