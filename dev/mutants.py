@@ -53,6 +53,7 @@ FSDP = "tests/test_fsdp.py"
 CLAIM = "tests/test_folder_claim.py"
 SWEEP = "tests/test_sweep.py"
 ACTIVATIONS = "tests/test_activation_checkpointing.py"
+OFFLOAD = "tests/test_cpu_offload.py"
 
 MUTANTS = [
     Mutant(
@@ -872,8 +873,8 @@ MUTANTS = [
         "a model whose forward cannot run on the meta device (Hugging Face's mask code) crashes the run "
         "where MFU is reported, instead of training without it",
         "ddp_utils/observe/flops.py",
-        "flops_per_sample=counted_flops(cfg, task, one_sample) if peak > 0 else 0,",
-        "flops_per_sample=flops_per_sample(cfg, task, one_sample) if peak > 0 else 0,",
+        "model = counted_flops(cfg, task, one_sample) if peak > 0 else 0",
+        "model = flops_per_sample(cfg, task, one_sample) if peak > 0 else 0",
         ("tests/test_observability.py::test_nothing_outside_the_step_stops_a_run",),
     ),
     Mutant(
@@ -1148,6 +1149,79 @@ MUTANTS = [
         "    return forward, _both(_statistics_frozen(block), recompute)",
         "    return forward, recompute",
         (f"{ACTIVATIONS}::test_a_checkpointed_step_is_the_same_step_to_the_bit",),
+    ),
+    Mutant(
+        "hardware_flops_without_the_recompute",
+        "with --activation_checkpointing the metrics' hardware FLOPs are the model's: the recompute is not counted",
+        "ddp_utils/observe/flops.py",
+        "counted_flops(cfg, task, one_sample, checkpoint_blocks) if recomputes else 0",
+        "counted_flops(cfg, task, one_sample) if recomputes else 0",
+        ("tests/test_observability.py::test_mfu_is_reported_where_the_peak_is_known",),
+    ),
+    Mutant(
+        "out_of_memory_line_misreads_what_checkpointing_saves",
+        "the out-of-memory line's figure of what --activation_checkpointing full saves reads none's activations twice",
+        "ddp_utils/train/out_of_memory.py",
+        'before, after, cost = none["activations"], full["activations"], full["recompute_flops"]',
+        'before, after, cost = none["activations"], none["activations"], full["recompute_flops"]',
+        ("tests/test_out_of_memory.py::test_out_of_memory_in_each_phase_is_one_line_naming_where_and_what_helps",),
+    ),
+    Mutant(
+        "doctor_recommends_the_costliest_checkpointing",
+        "the doctor's activation checkpointing row names the fitting mode of most recompute, not least",
+        "ddp_utils/doctor/memory.py",
+        'best = min(fits, key=lambda m: modes[m]["recompute_flops"])',
+        'best = max(fits, key=lambda m: modes[m]["recompute_flops"])',
+        ("tests/test_doctor.py::test_the_activation_checkpointing_row_names_the_mode_that_fits_and_what_it_costs",),
+    ),
+    Mutant(
+        "offload_ignored",
+        "--cpu_offload is accepted and nothing is offloaded",
+        "ddp_utils/parallel/strategy.py",
+        'offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()',
+        "offload = OffloadPolicy()",
+        (f"{OFFLOAD}::test_offload_trains_fsdps_parameters_to_the_bit",),
+    ),
+    Mutant(
+        "offload_pinned_without_an_accelerator",
+        "--cpu_offload pins host memory on a CPU-only machine (pinning needs an accelerator)",
+        "ddp_utils/parallel/strategy.py",
+        'CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")',
+        "CPUOffloadPolicy()",
+        (f"{OFFLOAD}::test_offload_trains_fsdps_parameters_to_the_bit",),
+    ),
+    Mutant(
+        "doctor_ddp_stage_keeps_offload",
+        "the doctor's DDP stage keeps --cpu_offload, which ddp refuses: the doctor crashes on an offload config",
+        "ddp_utils/doctor/processes.py",
+        "find_unused_parameters=True, cpu_offload=False)",
+        "find_unused_parameters=True)",
+        (f"{OFFLOAD}::test_the_doctor_steps_fsdp_and_hsdp_with_offload_as_ddp",),
+    ),
+    Mutant(
+        "offload_accepted_under_ddp",
+        "--strategy ddp --cpu_offload is accepted and does nothing",
+        "ddp_utils/configuration.py",
+        "        elif self.cpu_offload:\n"
+        '            raise ConfigError("cpu_offload", "needs --strategy fsdp (ddp keeps the whole model state on every device)")\n',
+        "",
+        (f"{OFFLOAD}::test_ddp_refuses_offload_in_one_line",),
+    ),
+    Mutant(
+        "memory_plan_keeps_offloaded_state_on_the_gpu",
+        "the doctor's plan counts --cpu_offload's host-held state on the GPU",
+        "ddp_utils/doctor/memory.py",
+        "plan.update(parameters=0, gradients=0, optimizer=0, gathered=",
+        "plan.update(gathered=",
+        (f"{OFFLOAD}::test_the_memory_plan_keeps_only_gathered_units_and_activations_on_the_gpu",),
+    ),
+    Mutant(
+        "hsdp_groups_with_gloo_options_beside_nccl",
+        "with a 'cuda:nccl,cpu:gloo' backend (--cpu_offload on GPUs) HSDP's mesh groups get gloo's options",
+        "ddp_utils/parallel/strategy.py",
+        'if "nccl" in backend else',
+        'if backend == "nccl" else',
+        (f"{OFFLOAD}::test_hsdp_groups_on_gpus_take_nccls_options_beside_gloo",),
     ),
 ]
 

@@ -168,6 +168,7 @@ SECONDS = {
     "test_preemption.py test_folder_claim.py": 270,
     "test_resilience.py test_disk_space.py test_activation_checkpointing.py": 240,
     "test_fsdp.py": 210,
+    "test_cpu_offload.py": 150,
     "test_correctness.py": 185,
     "cluster/test_multinode.py test_experiments.py": 175,
     "test_task.py": 140,

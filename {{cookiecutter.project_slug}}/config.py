@@ -127,6 +127,11 @@ class Config(RunConfig, ModelConfig, DataConfig):
     reshard_after_forward: bool = knob(
         True, "fsdp: free each block's gathered parameters after its forward (less memory, one more all-gather)"
     )
+    cpu_offload: bool = knob(
+        False,
+        "fsdp: keep the parameters, gradients and optimizer state in host memory and step the optimizer there "
+        "(GPU memory for the model state, for host-GPU copies every step and a CPU optimizer step; docs/sharding.md)",
+    )
     init_on_meta: bool = knob(False, "build the model on the meta device, then initialise it module by module")
     async_checkpoint: bool = knob(False, "fsdp: write checkpoints in the background while training goes on")
     device: str = knob(

@@ -86,6 +86,8 @@ class RunConfig:
             raise ConfigError("async_checkpoint", "needs --strategy fsdp (ddp writes one file from rank 0)")
         elif self.replicate_degree:
             raise ConfigError("replicate_degree", "needs --strategy fsdp (ddp keeps a whole replica on every process)")
+        elif self.cpu_offload:
+            raise ConfigError("cpu_offload", "needs --strategy fsdp (ddp keeps the whole model state on every device)")
         for hook in ("check_model", "check_data"):  # ModelConfig's and DataConfig's own checks, if any
             if hasattr(self, hook):
                 getattr(self, hook)()

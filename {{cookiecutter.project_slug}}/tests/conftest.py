@@ -307,6 +307,7 @@ TIMINGS = {
     "cpu_s",
     "peak_memory_mb",
     "mfu",
+    "hfu",
 }
 
 

@@ -585,6 +585,27 @@ def record_mesh():
     trainer.Trainer.resume = resume
 
 
+def record_offload():
+    """Print, over every FSDP2 unit (the root's included) once the model is built, how many
+    units there are and each distinct (offloaded to the CPU, pinned) of their parameters."""
+    original = trainer.Trainer.resume
+
+    def resume(self):
+        units, kinds = 0, set()
+        for module in self.strategy.module.modules():
+            if hasattr(module, "_get_fsdp_state"):
+                units += 1
+                state = module._get_fsdp_state()
+                # torch 2.11 keeps one parameter group, later releases a list
+                groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+                kinds |= {(param.offload_to_cpu, param.pin_memory) for group in filter(None, groups)
+                          for param in group.fsdp_params}  # fmt: skip
+        probe_print(offload={"units": units, "kinds": sorted(kinds)})
+        return original(self)
+
+    trainer.Trainer.resume = resume
+
+
 def children_after_close():
     """Print how many child processes (DataLoader workers) are still running once the Trainer
     has closed, and how long closing took."""
@@ -808,7 +829,8 @@ PROBES = {
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_until_released)
     + (slow_checkpoint_write, fast_claim, slow_second_save, out_of_memory)
-    + (record_initial_weights, single_param_group, record_staging, record_mesh, children_after_close, float64)
+    + (record_initial_weights, single_param_group, record_staging, record_mesh, record_offload, children_after_close)
+    + (float64,)
     + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads, item_in_forward)
     + (count_orthogonalised, record_group_lrs, record_full_collections, record_compiled_units)
 }

@@ -2,6 +2,7 @@
 is for is named, injected into small models in this process."""
 
 import copy
+import dataclasses
 import inspect
 import json
 import os
@@ -27,9 +28,11 @@ from doctor_models import (
     scales_by_a_millionth,
 )
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from config import Config
 from ddp_utils.configuration import parse_config
+from ddp_utils.core.units import size_text
 from ddp_utils.doctor import equivalence as doctor_equivalence
 from ddp_utils.doctor import memory as doctor_memory
 from ddp_utils.doctor import model_checks
@@ -53,7 +56,8 @@ def test_the_shipped_task_passes_the_doctor(tmp_path):
     assert done.returncode == 0, "\n".join([*failed, printed])
     report = json.loads((tmp_path / "doctor.json").read_text())
     statuses = {row["check"]: row["status"] for row in report["checks"]}
-    checks = ["memory plan", "checkpoint space", *(["host syncs on the GPU"] if torch.cuda.is_available() else [])]
+    checks = ["memory plan", "activation checkpointing", "checkpoint space"]
+    checks += ["host syncs on the GPU"] if torch.cuda.is_available() else []
     checks += ["1 vs 2 processes", "exact resume", "data position", "data per rank", "shard units", "fsdp = ddp"]
     checks += ["sharded steps"]
     checks += ["non-finite values", "unused parameters", "zero gradients", "host syncs"]
@@ -208,6 +212,44 @@ def test_a_model_too_big_for_the_gpu_gets_the_way_to_fit():
         *doctor_memory.memory_plan(model, batch, lambda o, b: o.sum(), cfg, 1, 1), cfg, 0.05, 1
     )
     assert row["status"] == "fail" and row["fix"].startswith("more GPUs with --strategy fsdp"), row
+
+
+def test_the_activation_checkpointing_row_names_the_mode_that_fits_and_what_it_costs():
+    """Blocks whose inner activations dominate, each mode measured: full keeps the least, at the
+    FLOPs of the forward run again (counted as it runs); on a GPU that holds the model state and full's
+    activations alone, the row names full as the fix with its recompute; on a large one none
+    fits, and under full the row says none would do too, without the recompute."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)) for _ in range(4)))
+    batch, loss_fn = (torch.randn(4, 256), None), lambda o, b: o.sum()
+    cfg = cfg_for("--amp", "none", "--batch_size", "4096")
+    modes = doctor_memory.checkpointing_plan(model, batch, loss_fn, cfg)
+    assert list(modes) == ["none", "full", "every_other", "ops"]
+    sizes = {mode: modes[mode]["activations"] for mode in modes}
+    assert sizes["full"] < sizes["every_other"] < sizes["none"], sizes  # (ops keeps each Linear's output: no less here)
+    with FlopCounterMode(display=False) as forward:
+        model(batch[0])
+    with FlopCounterMode(display=False) as step:
+        model(batch[0]).sum().backward()
+    assert modes["none"]["recompute_flops"] == 0
+    # The recompute stops at the last tensor the backward needs (torch's early stop): each block's
+    # first Linear and its ReLU again, not the second Linear, whose output nothing saves.
+    half_forward = forward.get_total_flops() / 2
+    assert modes["full"]["recompute_flops"] == pytest.approx(half_forward / step.get_total_flops())
+    plans, flags, configured = doctor_memory.memory_plan(model, batch, loss_fn, cfg, 1, 1)
+    state = sum(plans["ddp"].values()) - plans["ddp"]["activations"]
+    tight = (state + sizes["full"]) / 0.9 / 2**30 * 1.01  # GiB: full fits, no other mode does
+    assert state + sizes["every_other"] > 0.9 * tight * 2**30
+    row = doctor_memory.checkpointing_check(modes, plans, configured, cfg, tight)
+    cost = f"+{modes['full']['recompute_flops']:.0%} FLOPs"
+    assert row["status"] == "warn" and "ddp does not fit" in row["summary"], row
+    assert row["fix"] == f"--activation_checkpointing full ({size_text(sizes['full'])} of activations, {cost})", row
+    assert f"full {size_text(sizes['full'])} ({cost})" in row["summary"], row
+    row = doctor_memory.checkpointing_check(modes, plans, configured, cfg, 80)
+    assert row["status"] == "pass" and row["summary"].endswith("ddp fits 80 GiB with none") and not row["fix"], row
+    full = dataclasses.replace(cfg, activation_checkpointing="full")
+    row = doctor_memory.checkpointing_check(modes, plans, configured, full, 80)
+    assert row["status"] == "pass" and row["fix"].startswith("--activation_checkpointing none ("), row
 
 
 def test_the_gpu_memory_is_in_gib_as_its_spec_sheet_says():

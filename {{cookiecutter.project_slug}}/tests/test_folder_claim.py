@@ -50,8 +50,9 @@ def start_slow_run():
         command = training_command(output_dir, *ARGS, *TWO, nproc=2, probe=probes)
         if another_machine:
             command = on_another_machine(command)
-        process = subprocess.Popen(command, cwd=PROJECT, env=training_env({"RELEASE_FILE": str(release), "HOLD_AT_CALL": str(hold_at)}),
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        env = training_env({"RELEASE_FILE": str(release), "HOLD_AT_CALL": str(hold_at)})
+        process = subprocess.Popen(command, cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
         processes.append(process)
         return process
 

@@ -1,7 +1,9 @@
 """What a run shows: progress bar (rank 0, TTY only), MFU, and the speed knobs (trackers and
 the profiler: test_experiments.py)."""
 
+import dataclasses
 import fcntl
+import functools
 import os
 import pty
 import select
@@ -17,7 +19,10 @@ import torch
 from conftest import PROJECT, TINY, TINY_CONFIG, probe_output, read_metrics, run_training, training_env
 
 from config import Config
+from ddp_utils.doctor.run import build
 from ddp_utils.observe import flops, metrics
+from ddp_utils.parallel.activation_checkpointing import apply_activation_checkpointing
+from ddp_utils.parallel.blocks import shard_units
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp
@@ -100,13 +105,19 @@ def test_progress_bar_on_a_terminal_only_from_rank_zero(tmp_path):
     assert "[rank 1]" not in output
 
 
+# --activation_checkpointing full where the task's model has blocks: it recomputes, the same arithmetic.
+CHECKPOINTED = ["--activation_checkpointing", "full"] if shard_units(TASK.build_model(TINY_CONFIG)) else []
+
+
 @pytest.fixture(scope="module")
 def piped_run(tmp_path_factory):
-    """One process, one epoch, --amp none, --peak_tflops 100, its output to a pipe, not a terminal:
-    (its folder, the CompletedProcess), for the tests that only read what it wrote. (Counting the
-    FLOPs for MFU builds the model on the meta device: no random draw, the same training.)"""
+    """One process, one epoch, --amp none, --peak_tflops 100 (and CHECKPOINTED), its output to a
+    pipe, not a terminal: (its folder, the CompletedProcess), for the tests that only read what it
+    wrote. (Counting the FLOPs for MFU builds the model on the meta device: no random draw, the
+    same training.)"""
     output_dir = tmp_path_factory.mktemp("piped")
-    return output_dir, run_training(output_dir, "--amp", "none", "--epochs", "1", "--peak_tflops", "100", nproc=1)
+    flags = ["--amp", "none", "--epochs", "1", "--peak_tflops", "100", *CHECKPOINTED]
+    return output_dir, run_training(output_dir, *flags, nproc=1)
 
 
 def test_no_progress_bar_when_disabled_or_not_a_terminal(tmp_path, piped_run):
@@ -167,9 +178,20 @@ def test_compile_trains_and_matches_eager_closely(tmp_path, piped_run):
 
 
 def test_mfu_is_reported_where_the_peak_is_known(piped_run):
-    """--peak_tflops: the FLOPs of a sample counted on the meta device, MFU in every metrics line."""
+    """--peak_tflops: the FLOPs of a sample counted on the meta device, MFU in every metrics line.
+    With --activation_checkpointing, MFU stays on the model's FLOPs and HFU beside it counts the
+    hardware's: the recomputed forwards too, as counted on the model checkpointed."""
     lines = read_metrics(piped_run[0])
     assert lines and all(0 < line["mfu"] < 1 for line in lines)
+    if not CHECKPOINTED:
+        return
+    cfg = dataclasses.replace(TINY_CONFIG, amp="none").resolved()
+    _, samples, _ = build(TASK, cfg)  # a few samples: each sample's FLOPs are the same
+    model = flops.flops_per_sample(cfg, TASK, samples)
+    checkpointed = functools.partial(apply_activation_checkpointing, mode="full")
+    hardware = flops.flops_per_sample(cfg, TASK, samples, checkpointed)
+    assert hardware > model
+    assert all(line["hfu"] == pytest.approx(line["mfu"] * hardware / model, rel=1e-9) for line in lines), lines
 
 
 def test_nothing_outside_the_step_stops_a_run(tmp_path):

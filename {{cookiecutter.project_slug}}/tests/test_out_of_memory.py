@@ -4,17 +4,20 @@ line that names the rank, the step, the phase and the knobs that help; the last 
 is left as it was and the output folder let go of. Under torchrun every rank stops at once,
 not when torchrun's kill comes."""
 
+import dataclasses
 import json
 import os
 
 import pytest
-from conftest import ARGS, ONE, TINY, TWO, run_training
+from conftest import ARGS, ONE, TINY, TINY_CONFIG, TWO, run_training
 
 from config import Config
 from ddp_utils.configuration import parse_config
 from ddp_utils.core.units import size_text
 from ddp_utils.train.folder_claim import CLAIM_FILE
-from ddp_utils.train.out_of_memory import plan_settings
+from ddp_utils.parallel.blocks import shard_units
+from ddp_utils.train.out_of_memory import fixes, plan_settings
+from task import TASK
 
 PHASES = {
     "forward": "in the forward",
@@ -25,8 +28,10 @@ PHASES = {
 }
 
 
-# A doctor's memory plan, bytes per GPU under each strategy, by what they hold.
+# A doctor's memory plan, bytes per GPU under each strategy, by what they hold; its measure of
+# activation checkpointing's modes.
 PLANS = {"ddp": {"parameters": 1e9, "activations": 5e8}, "fsdp": {"parameters": 5e8}}
+MODES = {"none": {"activations": 5e8, "recompute_flops": 0.0}, "full": {"activations": 1e8, "recompute_flops": 0.25}}
 
 
 def out_of_memory_run(output_dir, phase, rank=0, step=6, nproc=1, doctor_plan=False):
@@ -37,8 +42,9 @@ def out_of_memory_run(output_dir, phase, rank=0, step=6, nproc=1, doctor_plan=Fa
     args += ["--compile", "true"] if phase == "compile" else []
     if doctor_plan:
         output_dir.mkdir(parents=True)
-        report = {"memory_bytes_per_gpu": PLANS, "world_size": nproc,
-                  "settings": plan_settings(parse_config(Config, [*TINY, *args], resolve=False))}  # fmt: skip
+        settings = plan_settings(parse_config(Config, [*TINY, *args], resolve=False))
+        report = {"memory_bytes_per_gpu": PLANS, "configured": "ddp", "activation_checkpointing": MODES,
+                  "world_size": nproc, "settings": settings}  # fmt: skip
         (output_dir / "doctor.json").write_text(json.dumps(report))
     env = {"OOM_PHASE": phase, "OOM_RANK": str(rank), "OOM_STEP": str(1 if phase == "compile" else step)}
     return run_training(output_dir, *args, nproc=nproc, probe="out_of_memory", env=env, check=False)
@@ -50,8 +56,11 @@ def assert_named_and_nothing_lost(result, output_dir, phase, rank, step):
     lines = [line for line in output.splitlines() if "ran out of" in line and "memory" in line]
     assert len(lines) == 1, output
     assert f"rank {rank} ran out of" in lines[0] and f"at step {step}, {PHASES[phase]}" in lines[0], lines[0]
+    knobs = lines[0].split("to fit: ")[1]
+    first = "--activation_checkpointing full" if shard_units(TASK.build_model(TINY_CONFIG)) else "--batch_size"
+    assert knobs.startswith(first), lines[0]  # it is off: first, the one knob that changes no setting of the run
     for knob in ("--grad_accum_steps", "--strategy fsdp", "--amp bf16"):
-        assert knob in lines[0], lines[0]
+        assert knob in knobs, lines[0]
     assert [line for line in output.splitlines() if "] ERROR" in line] == lines, output  # no rank's traceback
     checkpoints = output_dir / "checkpoints"
     if step > 4:  # the checkpoint of step 4 is still the last one, and nothing half-written is left
@@ -73,6 +82,9 @@ def test_out_of_memory_in_each_phase_is_one_line_naming_where_and_what_helps(pha
     if phase == "forward":  # the doctor's plan for these settings is named, in the sizes of every line
         ddp, fsdp = (size_text(sum(PLANS[strategy].values())) for strategy in ("ddp", "fsdp"))
         assert f"the doctor's plan at these settings: ddp {ddp}, fsdp {fsdp} per GPU" in line, line
+        if shard_units(TASK.build_model(TINY_CONFIG)):  # and what checkpointing saves, as it measured
+            saves = f"activations {size_text(5e8)} -> {size_text(1e8)} per GPU, +25% FLOPs"
+            assert f"to fit: --activation_checkpointing full (the doctor's figure: {saves})" in line, line
 
 
 def test_one_rank_out_of_memory_stops_every_rank_at_once(tmp_path):
@@ -82,3 +94,19 @@ def test_one_rank_out_of_memory_stops_every_rank_at_once(tmp_path):
     result = out_of_memory_run(tmp_path / "run", "backward", rank=1, nproc=2)
     assert_named_and_nothing_lost(result, tmp_path / "run", "backward", 1, 6)
     assert "exitcode: -9" not in result.stderr, result.stderr  # no worker left to torchrun's SIGKILL
+
+
+def test_cpu_offload_is_named_where_the_sharded_state_itself_does_not_fit():
+    """Under fsdp with the other knobs turned: --cpu_offload where the doctor's sharded state per
+    GPU is more than the GPU holds (or, without the doctor's figure, as what is left), not where
+    it fits; never under ddp, whose state it cannot move."""
+    flags = ["--strategy", "fsdp", "--amp", "bf16", "--batch_size", "1", "--activation_checkpointing", "full"]
+    cfg = parse_config(Config, [*TINY, *flags], resolve=False)
+    state = {"parameters": 3 * 2**30, "gradients": 3 * 2**30, "optimizer": 6 * 2**30}
+    report = {"memory_bytes_per_gpu": {"fsdp": {**state, "activations": 2**30}}, "configured": "fsdp"}
+    named = "--cpu_offload (the sharded state, 12.0 GiB per GPU, does not fit the GPU)"
+    assert fixes(cfg, report, gpu=10 * 2**30) == named
+    assert fixes(cfg, report, gpu=40 * 2**30) == "more GPUs with --strategy fsdp"
+    assert fixes(cfg) == "--cpu_offload"
+    assert "--cpu_offload" not in fixes(dataclasses.replace(cfg, strategy="ddp"), report, gpu=10 * 2**30)
+    assert fixes(dataclasses.replace(cfg, cpu_offload=True), report, gpu=10 * 2**30) == "more GPUs with --strategy fsdp"

@@ -39,7 +39,7 @@ class DistContext:
         return self.rank == 0
 
 
-def setup_distributed(timeout_seconds=600, trace_dir=None, device="auto"):
+def setup_distributed(timeout_seconds=600, trace_dir=None, device="auto", host_collectives=False):
     """Join the process group that torchrun (or srun) describes, or form a group of one.
 
     Under torchrun, RANK/LOCAL_RANK/WORLD_SIZE are set; under `srun --ntasks-per-node=G python
@@ -48,6 +48,7 @@ def setup_distributed(timeout_seconds=600, trace_dir=None, device="auto"):
     so the rest of the code runs one path: DDP, collectives and the sampler behave exactly as
     with more processes. On GPUs, NCCL's flight recorder keeps the last collectives of each
     rank and dumps them to `trace_dir` when a collective times out (docs/clusters.md: When it hangs).
+    With `host_collectives` (--cpu_offload) the GPUs' group runs collectives on CPU tensors too.
     """
     env = process_env()
     rank, local_rank, world_size = env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]
@@ -56,6 +57,11 @@ def setup_distributed(timeout_seconds=600, trace_dir=None, device="auto"):
         # Set the device before init so NCCL binds this process to its own GPU; the global
         # rank is no device index on any node but the first.
         backend = "nccl"
+        if host_collectives:
+            # --cpu_offload: the sharded parameters and gradients live in host memory, and the
+            # collectives on them (clipping's norm, Muon's exchange) need a backend for CPU
+            # tensors beside NCCL, in the same group (torchtune#1977).
+            backend = "cuda:nccl,cpu:gloo"
         torch.cuda.set_device(device)
         if trace_dir is not None:
             Path(trace_dir).mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..checkpoint.checkpointer import rank_state
@@ -33,7 +34,7 @@ from ..contract import count_samples, model_inputs
 from ..core.precision import AMP_DTYPES, autocast
 from ..core.units import size_text
 from ..optim.optimizer import build_optimizer
-from ..parallel.activation_checkpointing import apply_activation_checkpointing
+from ..parallel.activation_checkpointing import MODES, apply_activation_checkpointing
 from ..parallel.blocks import shard_units
 from .rows import check, halves
 
@@ -140,6 +141,9 @@ def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node):
         elif name == "ddp" and not cfg.gradient_as_bucket_view:
             plans[name]["buckets"] = trainable  # DDP's buckets, a second copy of the gradients
         flags[name] = flag
+    if cfg.cpu_offload:  # the shards, their gradients and AdamW's state in host memory: a unit at a time on the GPU
+        for plan in [plans[name] for name in ("fsdp", "hsdp") if name in plans]:
+            plan.update(parameters=0, gradients=0, optimizer=0, gathered=largest_unit * (2 * compute + element))
     if cfg.strategy == "ddp":
         configured = "ddp"
     elif world_size % default:
@@ -164,6 +168,9 @@ def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
         return check("memory plan", "pass", f"{summary}: {configured} fits {gpu}")
     activations = plans[configured]["activations"]
     fixes = [flags[name] for name in plans if fits[name]]
+    state = sum(plans[configured].get(part, 0) for part in ("parameters", "gradients", "optimizer"))
+    if configured != "ddp" and not cfg.cpu_offload and totals[configured] - state <= usable:
+        fixes.append(f"--cpu_offload (the sharded state, {size_text(state)} per GPU, in host memory)")
     if not fixes and totals[configured] - activations > 0.3 * totals[configured]:
         fixes.append("more GPUs with --strategy fsdp (the model state shards over them)")
     if activations > 0.3 * totals[configured]:
@@ -172,6 +179,60 @@ def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
         fixes.append(f"--batch_size {max(1, cfg.batch_size // 2)} --grad_accum_steps {2 * cfg.grad_accum_steps}")
     status = "warn" if any(fits.values()) else "fail"
     return check("memory plan", status, f"{summary}: {configured} does not fit {gpu}", "; or ".join(fixes))
+
+
+def checkpointing_plan(model, batch, loss_fn, cfg):
+    """Each --activation_checkpointing mode measured on `model`: the activations at --batch_size
+    (bytes per GPU, as memory_plan measures them) and the recompute's cost, the extra training
+    FLOPs over none's (a share: 0.33 is a third more), counted by FlopCounterMode as a step of
+    `batch` runs here, each mode on a copy. {mode: {"activations", "recompute_flops"}}; {} for a
+    model with no blocks to checkpoint (which refuses the knob)."""
+    if not shard_units(model):
+        return {}
+    plan, counted = {}, {}
+    with torch.random.fork_rng(devices=[]):  # the checks after this one draw as they would have
+        for mode in MODES:
+            copied = copy.deepcopy(model)
+            apply_activation_checkpointing(copied, mode)
+            activations = activations_at(copied, batch, loss_fn, cfg)
+            with FlopCounterMode(display=False) as counter:
+                loss_fn(copied(model_inputs(batch)), batch).backward()  # the backward runs the recompute
+            counted[mode] = counter.get_total_flops()
+            plan[mode] = {"activations": activations}
+    for mode in MODES:
+        plan[mode]["recompute_flops"] = counted[mode] / counted["none"] - 1 if counted["none"] else 0.0
+    return plan
+
+
+def checkpointing_check(modes, plans, configured, cfg, gpu_gb):
+    """The row of --activation_checkpointing: each mode's activations per GPU and its recompute,
+    and the mode of least recompute with which the configured strategy fits a GPU of `gpu_gb` GiB."""
+    name = "activation checkpointing"
+    if not modes:
+        summary = "not available: the model has no blocks to checkpoint (no nn.ModuleList or nn.Sequential of layers)"
+        return check(name, "pass", summary, "give the model a shard_units() method returning its blocks")
+    figures = [
+        f"{mode} {size_text(m['activations'])}" + (f" (+{m['recompute_flops']:.0%} FLOPs)" if mode != "none" else "")
+        for mode, m in modes.items()
+    ]
+    summary = f"activations per GPU at --batch_size {cfg.batch_size}: " + ", ".join(figures)
+    if configured is None:
+        return check(name, "pass", summary)
+    plan, mode = plans[configured], cfg.activation_checkpointing
+    rest = sum(plan.values()) - plan["activations"]  # what does not depend on the mode
+    usable = 0.9 * gpu_gb * 2**30  # as memory_check judges
+    fits = [m for m in modes if rest + modes[m]["activations"] <= usable]
+    gpu = f"{gpu_gb:g} GiB"
+    if not fits:
+        return check(name, "warn", f"{summary}; {configured} fits {gpu} with no mode", "see the memory plan's row")
+    best = min(fits, key=lambda m: modes[m]["recompute_flops"])  # the least recompute; the first of MODES on a tie
+    cost = "no recompute" if best == "none" else f"+{modes[best]['recompute_flops']:.0%} FLOPs"
+    fix = f"--activation_checkpointing {best} ({size_text(modes[best]['activations'])} of activations, {cost})"
+    if mode not in fits:
+        return check(name, "warn", f"{summary}; {configured} does not fit {gpu} with {mode}", fix)
+    if modes[best]["recompute_flops"] < modes[mode]["recompute_flops"]:  # a cheaper mode fits too
+        return check(name, "pass", f"{summary}; {configured} fits {gpu} with {mode}, and with {best}", fix)
+    return check(name, "pass", f"{summary}; {configured} fits {gpu} with {mode}")
 
 
 def checkpoint_plan(model, cfg, world_size):

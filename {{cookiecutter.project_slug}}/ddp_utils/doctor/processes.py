@@ -58,8 +58,9 @@ def processes_check(build_model, batch, loss_fn, cfg):
     if count_samples(shares[0]) == 0:
         why = "not checked: the training set has fewer than 2 samples"
         return [check("1 vs 2 processes", "warn", why), check("sharded steps", "warn", why)]
+    # DDP's stages without fsdp's --cpu_offload (refused under ddp); fsdp's and hsdp's keep it.
     stages = {"gradients": dataclasses.replace(cfg, strategy="ddp", amp="none", comm_hook="none",
-                                               find_unused_parameters=True)}  # fmt: skip
+                                               find_unused_parameters=True, cpu_offload=False)}  # fmt: skip
     micro = micro_batches(batch)
     if micro:
         stages["ddp"] = stages["gradients"]

@@ -78,7 +78,14 @@ from .equivalence import (
     rank_data_check,
     resume_check,
 )
-from .memory import checkpoint_check, checkpoint_plan, memory_check, memory_plan
+from .memory import (
+    checkpoint_check,
+    checkpoint_plan,
+    checkpointing_check,
+    checkpointing_plan,
+    memory_check,
+    memory_plan,
+)
 from .model_checks import gpu_sync_check, gradient_checks, host_sync_check, sharding_check
 from .numerics import float64_fix
 from .processes import processes_check
@@ -118,6 +125,8 @@ def diagnose(task, cfg, gpu_gb, world_size, gpus_per_node):
     model, small, batches = build(task, cfg)
     plans, flags, configured = memory_plan(model, small, task.loss_fn, cfg, world_size, gpus_per_node)
     rows = [memory_check(plans, flags, configured, cfg, gpu_gb, world_size)]
+    modes = checkpointing_plan(model, small, task.loss_fn, cfg)
+    rows.append(checkpointing_check(modes, plans, configured, cfg, gpu_gb))
     checkpoints = checkpoint_plan(model, cfg, world_size)
     rows.append(checkpoint_check(checkpoints, cfg, world_size))
     if torch.cuda.is_available():
@@ -138,7 +147,7 @@ def diagnose(task, cfg, gpu_gb, world_size, gpus_per_node):
     rows += [fsdp_check(task.build_model, small, task.loss_fn, cfg), sharded]
     rows += attempt("gradients", gradient_checks, model, batches, task.loss_fn, cfg)  # last: the model to float64
     rows.append(host_sync_check(source_files(task)))
-    return rows, plans, checkpoints
+    return rows, {"per_gpu": plans, "configured": configured, "activation_checkpointing": modes}, checkpoints
 
 
 def not_run(row):
@@ -199,7 +208,7 @@ def main(task, argv=None):
             return 2
     cfg = parse_config(task.config, rest)
     try:
-        rows, plans, checkpoints = diagnose(
+        rows, memory, checkpoints = diagnose(
             task, cfg, own.gpu_memory_gb, own.nodes * own.gpus_per_node, own.gpus_per_node
         )
     except InputError as error:
@@ -208,7 +217,8 @@ def main(task, argv=None):
     print(table(rows))
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"checks": rows, "memory_bytes_per_gpu": plans, "checkpoint_bytes_per_rank": checkpoints,
+    report = {"checks": rows, "memory_bytes_per_gpu": memory["per_gpu"], "configured": memory["configured"],
+              "activation_checkpointing": memory["activation_checkpointing"], "checkpoint_bytes_per_rank": checkpoints,
               "gpu_memory_gb": own.gpu_memory_gb, "world_size": own.nodes * own.gpus_per_node,
               "settings": plan_settings(cfg)}  # fmt: skip
     # Never a half-written report.

@@ -1,5 +1,6 @@
 """MFU: the FLOPs of one training sample (counted on the meta device) and the peak of the GPU it
-runs on (from its data sheet), for the metrics lines' model FLOPs utilisation."""
+runs on (from its data sheet), for the metrics lines' model FLOPs utilisation; with
+--activation_checkpointing, HFU beside it: the hardware's FLOPs, the recompute's included."""
 
 from dataclasses import dataclass
 
@@ -58,8 +59,9 @@ def peak_tflops(device_name, amp, tf32, override=0.0):
     return peaks["tf32"] if tf32 and peaks["tf32"] else peaks["fp32"]
 
 
-def flops_per_sample(cfg, task, batch):
-    """Training FLOPs (forward and backward) per sample, counted by PyTorch's FlopCounterMode.
+def flops_per_sample(cfg, task, batch, as_trained=None):
+    """Training FLOPs (forward and backward) per sample, counted by PyTorch's FlopCounterMode;
+    with `as_trained(model)` (activation checkpointing applied) the recompute's forwards too.
 
     The model is built on the meta device: no memory, no arithmetic, no random draws and no
     state touched, yet every matmul, convolution and attention call is counted as it runs
@@ -73,8 +75,10 @@ def flops_per_sample(cfg, task, batch):
     model = build_on_meta(task.build_model, cfg)
     if model is None:
         raise NotCounted("the model cannot be built on the meta device")
-    # Evaluation mode: the model's own FLOPs, without activation checkpointing's recompute
-    # (MFU counts model FLOPs, not hardware FLOPs) or dropout.
+    # The model's FLOPs (MFU's) as built; the hardware's as trained, the backward running each
+    # checkpointed block's forward again. Evaluation mode: no dropout drawn.
+    if as_trained is not None:
+        as_trained(model)
     model.eval()
     try:
         with FlopCounterMode(display=False) as counter:
@@ -86,10 +90,10 @@ def flops_per_sample(cfg, task, batch):
     return counter.get_total_flops()
 
 
-def counted_flops(cfg, task, batch):
+def counted_flops(cfg, task, batch, as_trained=None):
     """flops_per_sample, or 0 with one warning naming why: a metric never stops a run."""
     try:
-        return flops_per_sample(cfg, task, batch)
+        return flops_per_sample(cfg, task, batch, as_trained)
     except Exception as error:  # noqa: BLE001 - NotCounted, or anything the counter itself raises
         why = str(error) if isinstance(error, NotCounted) else f"counting FLOPs raised {type(error).__name__}: {error}"
         warn_main(f"MFU not reported: {why}")
@@ -111,26 +115,34 @@ class Throughput:
     tokens_per_sample: int  # predictions per sample (model.py's tokens_per_sample)
     peak_tflops: float  # of one device; 0 when unknown
     world_size: int
+    hardware_flops_per_sample: float = 0.0  # with activation checkpointing's recompute; 0: as the model's
 
     def metrics(self, samples_per_s):
-        """tokens_per_s for sequences, mfu where the device's peak is known."""
+        """tokens_per_s for sequences, mfu where the device's peak is known, and hfu (hardware
+        FLOPs utilisation: the recompute counted) where checkpointing recomputes any."""
         metrics = {}
         if self.tokens_per_sample > 1:  # sequences: each sample holds many predictions
             metrics["tokens_per_s"] = samples_per_s * self.tokens_per_sample
         utilisation = mfu(self.flops_per_sample, samples_per_s, self.world_size, self.peak_tflops)
         if utilisation is not None:
             metrics["mfu"] = utilisation
+            if self.hardware_flops_per_sample > self.flops_per_sample:
+                metrics["hfu"] = utilisation * self.hardware_flops_per_sample / self.flops_per_sample
         return metrics
 
 
-def build_throughput(cfg, ctx, task, one_sample):
+def build_throughput(cfg, ctx, task, one_sample, checkpoint_blocks):
     """The run's Throughput: the GPU's peak from its name (or --peak_tflops) and, where it is
-    known, the FLOPs counted on a batch of `one_sample` (meta device)."""
+    known, the FLOPs counted on a batch of `one_sample` (meta device): the model's, and with
+    --activation_checkpointing the hardware's (`checkpoint_blocks(model)` applies it)."""
     device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
     peak = peak_tflops(device_name, cfg.amp, cfg.tf32, cfg.peak_tflops)
+    model = counted_flops(cfg, task, one_sample) if peak > 0 else 0  # counted for MFU only
+    recomputes = model > 0 and cfg.activation_checkpointing != "none"
     return Throughput(
-        flops_per_sample=counted_flops(cfg, task, one_sample) if peak > 0 else 0,  # counted for MFU only
+        flops_per_sample=model,
         tokens_per_sample=task.tokens_per_sample(cfg),
         peak_tflops=peak,
         world_size=ctx.world_size,
+        hardware_flops_per_sample=counted_flops(cfg, task, one_sample, checkpoint_blocks) if recomputes else 0,
     )

@@ -6,7 +6,9 @@
   all-gathered just before it runs and freed after; backward reduce-scatters the gradients.
   With several replicas (--replicate_degree, by default one per node) it is hybrid sharding
   (HSDP): each replica shards over its own processes, so the all-gathers stay inside a node,
-  and only the gradient shards are all-reduced between replicas.
+  and only the gradient shards are all-reduced between replicas. With --cpu_offload the
+  shards (parameters, gradients, optimizer state) live in host memory and the optimizer steps
+  there; each unit is copied to the GPU for its forward and backward.
 
 The Trainer uses only what both offer (`model`, `module`, `name`, `sharded`, `sync_gradients`,
 `clip_gradients`, `save`, `load`, `wait_for_checkpoint` and `close`), so the training loop is
@@ -121,7 +123,7 @@ class FSDPStrategy:
     def __init__(self, cfg, ctx, build_model):
         # FSDP and DCP are imported here, not at the top: they pull in DTensor and sympy, 1.5 s
         # of start-up per process that ddp runs never need.
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         self.ctx, self.cfg = ctx, cfg
         amp = AMP_DTYPES[cfg.amp]
@@ -145,10 +147,18 @@ class FSDPStrategy:
                                          backend_override=mesh_group_settings(names, cfg.timeout_seconds))  # fmt: skip
             self.name = f"hsdp: {shape[0]} replicas, each sharded over {shape[1]} process(es)"
 
-        def shard(unit):
-            fully_shard(unit, mesh=self.mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+        # --cpu_offload: every unit's shards in host memory, page-locked on GPUs (fast copies to
+        # and from the device; pinning needs an accelerator, so not on the CPU). The model is
+        # then built in host memory too: fully_shard moves one unit at a time to the GPU to
+        # shard it, so the whole model is never there at once.
+        offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+        built_on = torch.device("cpu") if cfg.cpu_offload else ctx.device
 
-        self.module = self.model = build_module(cfg, build_model, ctx.device, on_meta=cfg.init_on_meta, shard=shard)
+        def shard(unit):
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
+                        offload_policy=offload)  # fmt: skip
+
+        self.module = self.model = build_module(cfg, build_model, built_on, on_meta=cfg.init_on_meta, shard=shard)
         # --compile: each shard unit (a block; the model, without any) compiled in place, with
         # static shapes, as torchtitan does; FSDP2's hooks around it (the all-gathers, the
         # reduce-scatter) stay eager. A whole sharded model compiled breaks its graph at every
@@ -252,8 +262,8 @@ def mesh_group_settings(names, timeout_seconds):
 def group_settings(timeout_seconds):
     """(backend, options) for a process group made beside the default one, with the collective
     timeout of the default one."""
-    backend = dist.get_backend()
-    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    backend = dist.get_backend()  # "cuda:nccl,cpu:gloo" with --cpu_offload on GPUs: NCCL's options, gloo takes none
+    options = dist.ProcessGroupNCCL.Options() if "nccl" in backend else dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout_seconds)
     return backend, options
 

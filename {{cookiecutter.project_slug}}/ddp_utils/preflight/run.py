@@ -200,7 +200,7 @@ def compute_alone_seconds(task, cfg, env):
     except (InputError, OSError):
         return None, "compute alone not timed: the data cannot be read"
     alone_cfg = dataclasses.replace(cfg, replicate_degree=1)  # one process: plain FSDP
-    with process_group_of_one(device, cfg.timeout_seconds) as alone:
+    with process_group_of_one(device, cfg.timeout_seconds, cfg.cpu_offload) as alone:
         try:
             trainer = Trainer(alone_cfg, alone, task, datasets)
             try:
@@ -214,14 +214,17 @@ def compute_alone_seconds(task, cfg, env):
 
 
 @contextlib.contextmanager
-def process_group_of_one(device, timeout_seconds):
+def process_group_of_one(device, timeout_seconds, host_collectives=False):
     """This process as the only one of a process group (an in-memory store), on `device`: the
-    DistContext of a job of one process."""
+    DistContext of a job of one process (on GPUs with CPU collectives too for --cpu_offload, as
+    setup_distributed makes it)."""
     store = dist.HashStore()
     device_id = device if device.type == "cuda" else None
+    backend = "gloo"
     if device_id is not None:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device_id is not None else "gloo", store=store, rank=0, world_size=1,
+        backend = "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
+    dist.init_process_group(backend, store=store, rank=0, world_size=1,
                             timeout=timedelta(seconds=timeout_seconds), device_id=device_id)  # fmt: skip
     try:
         yield DistContext(0, 0, 1, device, store)
@@ -264,7 +267,7 @@ def main(task, argv=None):
     if cfg.strategy == "fsdp":
         compute_alone, line = compute_alone_seconds(task, cfg, env)
         say(rank, line, lines)
-    ctx = setup_distributed(cfg.timeout_seconds, device=cfg.device)
+    ctx = setup_distributed(cfg.timeout_seconds, device=cfg.device, host_collectives=cfg.cpu_offload)
     del store  # the process group has a store of its own now
     try:
         say(rank, check_collective(ctx), lines)

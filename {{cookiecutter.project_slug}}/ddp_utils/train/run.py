@@ -59,7 +59,8 @@ def main(task, argv=None):
     cfg = parse_config(task.config, argv)
     write_stop_status(None)  # a stop of an earlier (elastic) start is not this one's
     try:
-        ctx = setup_distributed(cfg.timeout_seconds, trace_dir=Path(cfg.output_dir) / "nccl_trace", device=cfg.device)
+        trace_dir = Path(cfg.output_dir) / "nccl_trace"
+        ctx = setup_distributed(cfg.timeout_seconds, trace_dir, cfg.device, host_collectives=cfg.cpu_offload)
     except DeviceError as error:  # each node's first process names its node (a driver broken on one)
         line = f"error: {socket.gethostname()}: {error}"
         print_from_first(line, launch_local_rank() == 0, line)

@@ -7,6 +7,7 @@ component decides its own cadence: the Validator when to evaluate, the Checkpoin
 save, the Meter when to log.
 """
 
+import functools
 import math
 import signal
 import time
@@ -31,6 +32,8 @@ from ..observe.metrics import Meter, Reporter
 from ..observe.profiling import StepProfiler
 from ..optim.lr_schedule import Plan, lr_at
 from ..optim.optimizer import build_optimizer, peak_lr
+from ..parallel.activation_checkpointing import apply_activation_checkpointing
+from ..parallel.blocks import shard_units
 from ..parallel.strategy import build_strategy, load_full_weights, model_state_bytes, unused_parameters_named
 from .evaluation import TextSamples, Validator
 from .out_of_memory import MemoryGuard
@@ -86,7 +89,8 @@ class Trainer:
         self.resumed = False  # from a checkpoint
         self.last_evaluated = None  # the step of the last metrics line
         self.checks = StepChecks(cfg, fp16=self.scaler.is_enabled())
-        self.memory = MemoryGuard(cfg, ctx)  # out of memory: one line that says where and what helps
+        # Out of memory: one line that says where and what helps (activation checkpointing where it can).
+        self.memory = MemoryGuard(cfg, ctx, checkpointable=bool(shard_units(self.strategy.module)))
         self.stop = StopRequest()
         # Fires a little before the collective timeout, so stacks are written before the job ends.
         self.watchdog = Watchdog(cfg.timeout_seconds, ctx.rank, self.stop)
@@ -99,7 +103,8 @@ class Trainer:
             cfg, ctx, task, self.strategy, self.reporter, self.amp_dtype, data_state(datasets[0])
         )
         one_sample = self.train_loader.collate_fn([self.train_loader.dataset[0]])  # for the FLOP count
-        self.meter = Meter(cfg, ctx, self.reporter, build_throughput(cfg, ctx, task, one_sample))
+        checkpoint_blocks = functools.partial(apply_activation_checkpointing, mode=cfg.activation_checkpointing)
+        self.meter = Meter(cfg, ctx, self.reporter, build_throughput(cfg, ctx, task, one_sample, checkpoint_blocks))
         self.profiler = StepProfiler(cfg, ctx.device, self.output_dir, before_toggle=self._finish_collectives)
         # Full garbage collections after checkpoints and evaluations, never inside a step.
         self.collector = Collector()

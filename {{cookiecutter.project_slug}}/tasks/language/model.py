@@ -203,7 +203,9 @@ def generate(model, tokens, max_new_tokens, block_size, temperature, top_k, voca
                 kth_best = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits[logits < kth_best] = -float("inf")
             next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-        tokens = torch.cat((tokens, next_token), dim=1)
+        # Where the model computed it: under --cpu_offload the parameters (and the prompt) are in
+        # host memory while FSDP computes on the GPU.
+        tokens = torch.cat((tokens, next_token.to(tokens.device)), dim=1)
     return tokens
 
 
