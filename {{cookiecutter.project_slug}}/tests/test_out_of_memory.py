@@ -14,8 +14,8 @@ from conftest import ARGS, ONE, TINY, TINY_CONFIG, TWO, run_training
 from config import Config
 from ddp_utils.configuration import parse_config
 from ddp_utils.core.units import size_text
-from ddp_utils.train.folder_claim import CLAIM_FILE
 from ddp_utils.parallel.blocks import shard_units
+from ddp_utils.train.folder_claim import CLAIM_FILE
 from ddp_utils.train.out_of_memory import fixes, plan_settings
 from task import TASK
 
