@@ -1078,7 +1078,7 @@ MUTANTS = [
         "out_of_memory_unnamed",
         "CUDA out of memory is torch's traceback on every rank, not one line with the phase and the knobs",
         "ddp_utils/train/out_of_memory.py",
-        "            raise OutOfMemory(out_of_memory_line(self.cfg, self.ctx, step, phase)) from None",
+        "            raise OutOfMemory(out_of_memory_line(self.cfg, self.ctx, step, phase, self.checkpointable)) from None",
         "            raise",
         ("tests/test_out_of_memory.py",),
     ),
