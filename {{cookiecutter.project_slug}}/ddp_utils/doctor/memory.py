@@ -108,15 +108,17 @@ def checkpointed(model, mode):
     return model
 
 
-def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node):
+def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node, activations=None):
     """Bytes per GPU under ddp, fsdp over every GPU and hsdp (fsdp in replicas), and the flags
-    of each: ({name: {part: bytes}}, {name: flags}, the configured one's name)."""
+    of each: ({name: {part: bytes}}, {name: flags}, the configured one's name). `activations`:
+    measured already (checkpointing_plan's, for the configured mode), else measured here."""
     parameters = list(model.parameters())  # bytes as built (float32, unless the model says otherwise)
     trainable = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in parameters) - trainable
     element = parameters[0].element_size() if parameters else 4
     compute = 2 if AMP_DTYPES[cfg.amp] is not None else element  # a parameter gathered for compute under fsdp
-    activations = activations_at(checkpointed(model, cfg.activation_checkpointing), batch, loss_fn, cfg)
+    if activations is None:
+        activations = activations_at(checkpointed(model, cfg.activation_checkpointing), batch, loss_fn, cfg)
     largest_unit = max((sum(p.numel() for p in unit.parameters()) for unit in shard_units(model)), default=0)
     largest_unit = largest_unit or sum(p.numel() for p in parameters)  # no units: the whole model is one
     default = replicas(cfg, world_size, gpus_per_node)
@@ -185,18 +187,20 @@ def checkpointing_plan(model, batch, loss_fn, cfg):
     """Each --activation_checkpointing mode measured on `model`: the activations at --batch_size
     (bytes per GPU, as memory_plan measures them) and the recompute's cost, the extra training
     FLOPs over none's (a share: 0.33 is a third more), counted by FlopCounterMode as a step of
-    `batch` runs here, each mode on a copy. {mode: {"activations", "recompute_flops"}}; {} for a
-    model with no blocks to checkpoint (which refuses the knob)."""
+    one sample of `batch` runs here (each sample costs the same), each mode on a copy.
+    {mode: {"activations", "recompute_flops"}}; {} for a model with no blocks to checkpoint
+    (which refuses the knob)."""
     if not shard_units(model):
         return {}
     plan, counted = {}, {}
+    one = tree_map_only(torch.Tensor, lambda t: t[:1], batch)
     with torch.random.fork_rng(devices=[]):  # the checks after this one draw as they would have
         for mode in MODES:
             copied = copy.deepcopy(model)
             apply_activation_checkpointing(copied, mode)
             activations = activations_at(copied, batch, loss_fn, cfg)
             with FlopCounterMode(display=False) as counter:
-                loss_fn(copied(model_inputs(batch)), batch).backward()  # the backward runs the recompute
+                loss_fn(copied(model_inputs(one)), one).backward()  # the backward runs the recompute
             counted[mode] = counter.get_total_flops()
             plan[mode] = {"activations": activations}
     for mode in MODES:

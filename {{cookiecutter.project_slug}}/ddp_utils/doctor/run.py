@@ -123,9 +123,10 @@ def diagnose(task, cfg, gpu_gb, world_size, gpus_per_node):
     # such as torch's SyncBatchNorm, for a run on GPUs).
     gpu_cfg, cfg = cfg, dataclasses.replace(cfg, device="cpu")
     model, small, batches = build(task, cfg)
-    plans, flags, configured = memory_plan(model, small, task.loss_fn, cfg, world_size, gpus_per_node)
+    modes = checkpointing_plan(model, small, task.loss_fn, cfg)  # each mode's activations, measured once
+    measured = modes.get(cfg.activation_checkpointing, {}).get("activations")
+    plans, flags, configured = memory_plan(model, small, task.loss_fn, cfg, world_size, gpus_per_node, measured)
     rows = [memory_check(plans, flags, configured, cfg, gpu_gb, world_size)]
-    modes = checkpointing_plan(model, small, task.loss_fn, cfg)
     rows.append(checkpointing_check(modes, plans, configured, cfg, gpu_gb))
     checkpoints = checkpoint_plan(model, cfg, world_size)
     rows.append(checkpoint_check(checkpoints, cfg, world_size))
