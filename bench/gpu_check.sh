@@ -10,12 +10,15 @@
 #
 #   bash bench/gpu_check.sh --bake DIR           # here: DIR/{tabular,language,vision}, DIR/data
 #   PLAN=1a bash bench/gpu_check.sh DIR          # there: the checks of plan 1a (a 6-minute command)
+#   AC_BENCH_ARGS=--tiny GPU_CHECK_RUNS=$(mktemp -d) GPU_CHECK_RESULTS=/dev/null GPU_CHECK_TEXT=DIR/data/text \
+#       bash bench/gpu_check.sh --one 23 DIR     # here, no GPU: check 23's path at --tiny sizes (24 too)
 #   CHECKS="3 17" bash bench/gpu_check.sh DIR    # there: only these, in this order
 #   bash bench/gpu_check.sh --plans              # the plans: checks, estimated and limit seconds
 #   bash bench/gpu_check.sh                      # every check; renders the projects first
 #
 # A plan is sized for one device command of 6 minutes: 1a then 1b (one loan: the guarantees on
-# a GPU), 2a, 2b and 3a (a later loan: the rest), 4a then 4b (one loan: issue 55's speed). Its BUDGET_S (330 s) bounds the command:
+# a GPU), 2a, 2b and 3a (a later loan: the rest), 4a then 4b (one loan: issue 55's speed), 5a then 5b
+# (one loan: issue 63's activation checkpointing). Its BUDGET_S (330 s) bounds the command:
 # a check starts only while its estimate fits in what is left, and runs at most to the end of
 # the budget. BENCHMARKS.md (GPU section) has the exact device commands.
 #
@@ -84,6 +87,16 @@
 #  22. a real CUDA out-of-memory (check 6's GPT at --batch_size 1024: hundreds of GB of
 #      activations): the run stops with one line naming the rank, step 1, the phase, the GPU's
 #      memory in use and total and the knobs; no worker traceback; the folder claim let go of.
+#  23. --activation_checkpointing (issue 63), check 6's GPT in bf16 without compile, per mode (none,
+#      full, every_other, ops): the largest micro-batch that trains (doubling from 64, then halving
+#      the gap to 1/8; two steps a size; out of memory caught), the activations at 64 against the
+#      doctor's memory plan (target within 20%); before them --strategy fsdp without and with
+#      --cpu_offload: step time and peak memory. bench/activation_checkpointing_gpu.py --part offload,search.
+#  24. the same modes on check 6's job compiled (--compile true): tokens/s, peak memory
+#      (max_memory_allocated), the activations measured against the doctor's plan (target within
+#      20%); full at most 1/3 of none's activations at no more than 1.4x its step time (targets).
+#      bench/activation_checkpointing_gpu.py --part steady. Both run the doctor's plan per mode on
+#      the CPU beside the GPU's work (kept in /tmp/activation_checkpointing_doctor for the next).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 self="$here/gpu_check.sh"
@@ -116,6 +129,8 @@ plan_table() {
 5   4b  45   120  preflight predicted bf16 step vs measured, and why
 14  4b  90   180  step breakdown of the compiled GPT and the GPU's idle share
 10  4b  60   150  AdamW fused against unfused, and the run-to-run spread
+23  5a  200  320  activation checkpointing: largest micro-batch per mode (eager), --cpu_offload's step
+24  5b  240  330  activation checkpointing per mode, GPT 12x768 64x1024 bf16 compile: tokens/s, peak, the doctor
 EOF
 }
 
@@ -124,7 +139,7 @@ while read -r n plan est limit title; do
     EST[$n]=$est LIMIT[$n]=$limit TITLE[$n]=$title
     PLAN_CHECKS[$plan]="${PLAN_CHECKS[$plan]:-}${PLAN_CHECKS[$plan]:+ }$n"
 done < <(plan_table)
-PLANS="1a 1b 2a 2b 3a 4a 4b"
+PLANS="1a 1b 2a 2b 3a 4a 4b 5a 5b"
 
 if [[ ${1:-} == --plans ]]; then
     echo "| plan | checks, in order | estimated s | limits s |"
@@ -832,6 +847,41 @@ check_22() {
     fi
 }
 
+check_23() {
+    # Issue 63: --cpu_offload's step under fsdp (first: before the doctor's CPU processes start);
+    # then per --activation_checkpointing mode the largest micro-batch of check 6's GPT that trains,
+    # without compile (train.py compiles with dynamic=False: every size would compile again), and
+    # the eager activations at 64 against the doctor's plan.
+    activation_checkpointing_rows 5a --part offload,search
+}
+
+check_24() {
+    # Issue 63: each mode on check 6's job compiled, as train.py runs it: tokens/s, peak memory, the
+    # activations against the doctor's plan (computed on the CPU meanwhile, or kept by check 23).
+    activation_checkpointing_rows 5b --part steady
+}
+
+activation_checkpointing_rows() {  # TAG ARGS...: bench/activation_checkpointing_gpu.py ARGS in the language project; its ROW lines are the rows
+    local tag=$1 code=0 rows=0 name result
+    local out=$runs/activation_checkpointing_$tag.md err=$runs/activation_checkpointing_$tag.err
+    shift
+    if [[ ! -f $here/activation_checkpointing_gpu.py || ! -f $here/activation_checkpointing.py ]]; then
+        check "activation checkpointing ($tag)" "bench/activation_checkpointing_gpu.py and activation_checkpointing.py are not beside $self: run the repository's bench/gpu_check.sh, or DIR/bench/gpu_check.sh of a --bake DIR"
+        return
+    fi
+    # shellcheck disable=SC2086  # AC_BENCH_ARGS: extra flags, word-split (--tiny: the CPU dry run)
+    (cd "$language" && timeout -k 5 "$(left)" "$python" "$here/activation_checkpointing_gpu.py" "$@" --data_dir "$text" \
+        --seconds "$(( $(left) - 10 ))" ${AC_BENCH_ARGS:-} >"$out" 2>"$err") || code=$?
+    grep -v $'^ROW\t' "$out" | sed '/^$/d' || true  # the tables, for the command's output
+    while IFS=$'\t' read -r _ name result; do
+        check "$name" "$result"
+        rows=$((rows + 1))
+    done < <(grep $'^ROW\t' "$out")
+    if [[ $code != 0 || $rows == 0 ]]; then
+        check "bench/activation_checkpointing_gpu.py $* ran to its end" "exit $code, $rows rows: $(tail_text "$err")"
+    fi
+}
+
 check_16() {
     # The first: FSDP2 meshed on the run's GPU. The second: torch's accelerator is cuda, the run
     # is told --device cpu: FSDP2's mesh must be on the CPU (gloo), not on torch's default.
@@ -1038,7 +1088,7 @@ row "| 0. the GPU and its MFU peak | $gpu | $(( $(date +%s) - started_all )) |"
 # The data: made here (--bake), else written now.
 text=$baked/data/text digits=$baked/data/digits
 needs() { local n; for n in "$@"; do [[ " $selected " == *" $n "* ]] && return 0; done; return 1; }
-if [[ ! -f $text/train.bin ]] && needs 6 7 10 12 14 15 18 20 21; then
+if [[ ! -f $text/train.bin ]] && needs 6 7 10 12 14 15 18 20 21 23 24; then
     text=$runs/text
     (cd "$language" && "$python" prepare_data.py --output_dir "$text" --max_bytes 4000000 >"$runs/prepare.log" 2>&1) ||
         echo "gpu_check.sh: the language task's text could not be written: $runs/prepare.log" >&2

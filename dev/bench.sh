@@ -8,7 +8,9 @@
 # --breakdown where a step's time goes, the generated loop beside the minimal one (see
 # bench/breakdown.py), or with --ci-cpu where the test suite's CPU time goes (see bench/ci_cpu.py),
 # or with --chaos random faults under fsdp (see bench/chaos.py), or with --time-to-quality AdamW
-# against Muon to a target loss (see bench/time_to_quality.py).
+# against Muon to a target loss (see bench/time_to_quality.py), or with --activation-checkpointing
+# each --activation_checkpointing mode's activation memory and step time (see
+# bench/activation_checkpointing.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
@@ -35,6 +37,10 @@ fi
 if [[ ${1:-} == --time-to-quality ]]; then
     shift
     exec .venv/bin/python bench/time_to_quality.py "$@"
+fi
+if [[ ${1:-} == --activation-checkpointing ]]; then
+    shift
+    exec .venv/bin/python bench/activation_checkpointing.py "$@"
 fi
 if [[ ${1:-} == --tabular-loader ]]; then
     shift

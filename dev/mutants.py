@@ -1154,8 +1154,8 @@ MUTANTS = [
         "hardware_flops_without_the_recompute",
         "with --activation_checkpointing the metrics' hardware FLOPs are the model's: the recompute is not counted",
         "ddp_utils/observe/flops.py",
-        "counted_flops(cfg, task, one_sample, checkpoint_blocks) if recomputes else 0",
-        "counted_flops(cfg, task, one_sample) if recomputes else 0",
+        'counted_flops(cfg, task, one_sample, checkpoint_blocks, "HFU") if recomputes else 0',
+        'counted_flops(cfg, task, one_sample, None, "HFU") if recomputes else 0',
         ("tests/test_observability.py::test_mfu_is_reported_where_the_peak_is_known",),
     ),
     Mutant(

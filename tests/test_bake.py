@@ -148,7 +148,7 @@ GENERATED_TEST_MODULES.remove("cluster/test_skypilot.py")  # skypilot=no here: t
 # longest module: the main phase cannot end before its longest test does.
 TOGETHER = [
     ["test_preemption.py", "test_folder_claim.py"],  # the uninterrupted `reference.two`
-    ["test_resilience.py", "test_disk_space.py", "test_activation_checkpointing.py"],  # `reference.two` and `.one`
+    ["test_resilience.py", "test_disk_space.py"],  # `reference.two` and `.one`
     ["cluster/test_multinode.py", "test_experiments.py"],  # `one_node_run`
     ["test_config.py", "test_data.py", "test_diagnosis.py", "test_progress.py"],
     ["test_doctor.py", "test_out_of_memory.py", "test_inference.py", "test_schedule.py", "test_contract.py"],
@@ -166,7 +166,8 @@ ON_TWO_WORKERS = {"test_doctor.py test_out_of_memory.py test_inference.py test_s
 # under a minute). Only their order matters: tests/conftest.py collects the longest first.
 SECONDS = {
     "test_preemption.py test_folder_claim.py": 270,
-    "test_resilience.py test_disk_space.py test_activation_checkpointing.py": 240,
+    "test_resilience.py test_disk_space.py": 200,
+    "test_activation_checkpointing.py": 190,
     "test_fsdp.py": 210,
     "test_cpu_offload.py": 150,
     "test_correctness.py": 185,

@@ -48,7 +48,7 @@ def test_gpu_check_runs_on_projects_baked_elsewhere(tmp_path):
 
 
 def test_gpu_check_plans_cover_every_check_once_and_fit_a_command():
-    """`--plans` (no GPU needed): each of the 22 checks is in exactly one plan; plans 1a and 1b
+    """`--plans` (no GPU needed): each of the 24 checks is in exactly one plan; plans 1a and 1b
     (one loan: two commands of 6 minutes) hold the checks that matter most, plans 4a and 4b
     (another loan) issue 55's speed figures, and each plan's estimated seconds fit its 330 s
     budget."""
@@ -56,14 +56,15 @@ def test_gpu_check_plans_cover_every_check_once_and_fit_a_command():
     assert result.returncode == 0, result.stderr
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()[2:]]
     plans = {name.strip(): ([int(n) for n in checks.split()], int(estimate)) for name, checks, estimate, _ in rows}
-    assert list(plans) == ["1a", "1b", "2a", "2b", "3a", "4a", "4b"]
+    assert list(plans) == ["1a", "1b", "2a", "2b", "3a", "4a", "4b", "5a", "5b"]
     every = [n for checks, _ in plans.values() for n in checks]
-    assert sorted(every) == list(range(1, 23))
+    assert sorted(every) == list(range(1, 25))
     first_loan = set(plans["1a"][0] + plans["1b"][0])
     # device binding, host syncs, flight recorder, SIGTERM, the doctor, the fixes
     assert {2, 3, 4, 9, 15, 16, 17, 19} <= first_loan
     # MFU, fsdp against ddp, Muon against AdamW; the loop's and the preflight's costs, fused AdamW
     assert set(plans["4a"][0]) == {6, 7, 21} and set(plans["4b"][0]) == {1, 5, 10, 14}
+    assert plans["5a"][0] == [23] and plans["5b"][0] == [24]
     assert all(estimate <= 330 for _, estimate in plans.values())
 
 

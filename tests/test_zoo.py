@@ -3,7 +3,9 @@
 README's checklist says (tests/zoo/: a module whose forward returns `.logits`, and build_model
 returning it; nothing else of the project edited). Each passes the doctor (no FAIL; a model that
 computes in float32 inside gets a WARN naming where), trains under ddp with the FLOP counter on
-(MFU, or one warning saying why not: never a crash) and under fsdp; the Llama also passes the
+(MFU, or one warning saying why not: never a crash) and under fsdp, each with activation
+checkpointing on (the doctor's checks with ops, which it measures keeping fewer activations than
+none, as every mode; ddp with every_other, fsdp with full); the Llama also passes the
 project's own tests of the guarantees that depend on the model (1 vs 2 processes and
 accumulation, exact resume after SIGTERM, fsdp = ddp, the initial weights kept: its quick check)."""
 
@@ -73,23 +75,31 @@ def test_a_zoo_model_passes_the_doctor_and_trains_under_ddp_and_fsdp(zoo_project
     task, status, named = MODELS[name]
     project = zoo_projects[task]
     doctor = ["python", "doctor.py", "--config", "experiments/tiny.toml", "--output_dir", str(tmp_path / "doctor")]
+    doctor += ["--activation_checkpointing", "ops"]  # its steps, processes and memory plan on the checkpointed model
     result = run(doctor, cwd=project, timeout=600, env_override=zoo_env(name))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    rows = {row["check"]: row for row in json.loads((tmp_path / "doctor" / "doctor.json").read_text())["checks"]}
+    report = json.loads((tmp_path / "doctor" / "doctor.json").read_text())
+    rows = {row["check"]: row for row in report["checks"]}
+    # The knob takes effect: the activations the doctor measures with each mode, fewer than none's
+    # (the memory plan's with the configured ops among them).
+    modes = {mode: measured["activations"] for mode, measured in report["activation_checkpointing"].items()}
+    planned = report["memory_bytes_per_gpu"][report["configured"]]["activations"]
+    assert set(modes) == {"none", "full", "every_other", "ops"} and planned == modes["ops"], (planned, modes)
+    assert all(modes[mode] < modes["none"] for mode in modes if mode != "none"), modes
     assert not [row for row in rows.values() if row["status"] == "fail"], rows
     assert all(rows[check]["status"] in ("pass", "warn") for check in COMPARISONS), rows
     assert not [check for check in COMPARISONS if "not checked" in rows[check]["summary"]], rows
     assert rows["1 vs 2 processes"]["status"] == status and named in rows["1 vs 2 processes"]["summary"], rows
 
-    # ddp, with a peak given so that the FLOPs of a sample are counted on the meta device: a model
-    # whose forward cannot run there (Mixtral's routing reads values) is reported, never a crash.
-    ddp = torchrun(project, name, tmp_path / "ddp", "--peak_tflops", "100")
+    # ddp (every_other on), with a peak given so that the FLOPs of a sample are counted on the meta device: a
+    # model whose forward cannot run there (Mixtral's routing reads values) is reported, never a crash.
+    ddp = torchrun(project, name, tmp_path / "ddp", "--peak_tflops", "100", "--activation_checkpointing", "every_other")
     printed = ddp.stdout + ddp.stderr
     assert ddp.returncode == 0 and "Traceback" not in printed, printed[-4000:]
     assert ("mfu" in trained(tmp_path / "ddp")[1][-1]) != (printed.count("MFU not reported:") == 1), printed[-4000:]
     assert trained(tmp_path / "ddp")[0], trained(tmp_path / "ddp")[1]
 
-    fsdp = torchrun(project, name, tmp_path / "fsdp", "--strategy", "fsdp")
+    fsdp = torchrun(project, name, tmp_path / "fsdp", "--strategy", "fsdp", "--activation_checkpointing", "full")
     assert fsdp.returncode == 0 and "fsdp over 2 process" in fsdp.stdout + fsdp.stderr, (fsdp.stdout + fsdp.stderr)[
         -4000:
     ]

@@ -18,6 +18,7 @@ import torch
 from conftest import (
     PROJECT,
     TINY,
+    TINY_CONFIG,
     assert_same_metrics,
     compared_metrics,
     gap,
@@ -44,6 +45,7 @@ from ddp_utils.doctor import memory as doctor_memory
 from ddp_utils.doctor import run as doctor
 from ddp_utils.doctor.numerics import TOLERANCES
 from ddp_utils.errors import ConfigError
+from ddp_utils.parallel.activation_checkpointing import checkpointable_blocks
 from ddp_utils.parallel.model_init import build_module
 from ddp_utils.parallel.strategy import hsdp_replicas, mesh_group_settings
 from task import TASK
@@ -86,8 +88,9 @@ ARGS += ["--checkpoint_every_steps", "2", "--keep_checkpoints", "100"]
 ARGS += ["--val_samples", "33"]
 TWO = ["--batch_size", "16"]  # x 2 processes x 2 micro-steps: a global batch of 64
 ONE = ["--batch_size", "32"]  # x 1 process x 2 micro-steps: the same global batch
-# With activation checkpointing, any model's: it must combine with sharding.
-FSDP = ["--strategy", "fsdp", "--activation_checkpointing", "full"]
+# With activation checkpointing where the task's model takes it: it must combine with sharding.
+CHECKPOINTED = ["--activation_checkpointing", "full"] if checkpointable_blocks(TASK.build_model(TINY_CONFIG)) else []
+FSDP = ["--strategy", "fsdp", *CHECKPOINTED]
 # Hybrid sharding: 4 processes (x 8 x 2 micro-steps: the same global batch) as 2 replicas of 2
 # shards, as --replicate_degree's default makes of 2 nodes x 2 GPUs.
 HSDP = ["--batch_size", "8", *FSDP, "--replicate_degree", "2"]

@@ -21,8 +21,7 @@ from conftest import PROJECT, TINY, TINY_CONFIG, probe_output, read_metrics, run
 from config import Config
 from ddp_utils.doctor.run import build
 from ddp_utils.observe import flops, metrics
-from ddp_utils.parallel.activation_checkpointing import apply_activation_checkpointing
-from ddp_utils.parallel.blocks import shard_units
+from ddp_utils.parallel.activation_checkpointing import apply_activation_checkpointing, checkpointable_blocks
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp
@@ -106,7 +105,7 @@ def test_progress_bar_on_a_terminal_only_from_rank_zero(tmp_path):
 
 
 # --activation_checkpointing full where the task's model has blocks: it recomputes, the same arithmetic.
-CHECKPOINTED = ["--activation_checkpointing", "full"] if shard_units(TASK.build_model(TINY_CONFIG)) else []
+CHECKPOINTED = ["--activation_checkpointing", "full"] if checkpointable_blocks(TASK.build_model(TINY_CONFIG)) else []
 
 
 @pytest.fixture(scope="module")

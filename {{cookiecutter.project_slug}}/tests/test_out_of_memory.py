@@ -14,7 +14,7 @@ from conftest import ARGS, ONE, TINY, TINY_CONFIG, TWO, run_training
 from config import Config
 from ddp_utils.configuration import parse_config
 from ddp_utils.core.units import size_text
-from ddp_utils.parallel.blocks import shard_units
+from ddp_utils.parallel.activation_checkpointing import checkpointable_blocks
 from ddp_utils.train.folder_claim import CLAIM_FILE
 from ddp_utils.train.out_of_memory import fixes, plan_settings
 from task import TASK
@@ -28,6 +28,7 @@ PHASES = {
 }
 
 
+CHECKPOINTABLE = bool(checkpointable_blocks(TASK.build_model(TINY_CONFIG)))  # the knob applies to the task's model
 # A doctor's memory plan, bytes per GPU under each strategy, by what they hold; its measure of
 # activation checkpointing's modes.
 PLANS = {"ddp": {"parameters": 1e9, "activations": 5e8}, "fsdp": {"parameters": 5e8}}
@@ -57,7 +58,9 @@ def assert_named_and_nothing_lost(result, output_dir, phase, rank, step):
     assert len(lines) == 1, output
     assert f"rank {rank} ran out of" in lines[0] and f"at step {step}, {PHASES[phase]}" in lines[0], lines[0]
     knobs = lines[0].split("to fit: ")[1]
-    first = "--activation_checkpointing full" if shard_units(TASK.build_model(TINY_CONFIG)) else "--batch_size"
+    first = (
+        "--activation_checkpointing full" if checkpointable_blocks(TASK.build_model(TINY_CONFIG)) else "--batch_size"
+    )
     assert knobs.startswith(first), lines[0]  # it is off: first, the one knob that changes no setting of the run
     for knob in ("--grad_accum_steps", "--strategy fsdp", "--amp bf16"):
         assert knob in knobs, lines[0]
@@ -82,7 +85,7 @@ def test_out_of_memory_in_each_phase_is_one_line_naming_where_and_what_helps(pha
     if phase == "forward":  # the doctor's plan for these settings is named, in the sizes of every line
         ddp, fsdp = (size_text(sum(PLANS[strategy].values())) for strategy in ("ddp", "fsdp"))
         assert f"the doctor's plan at these settings: ddp {ddp}, fsdp {fsdp} per GPU" in line, line
-        if shard_units(TASK.build_model(TINY_CONFIG)):  # and what checkpointing saves, as it measured
+        if CHECKPOINTABLE:  # and what checkpointing saves, as it measured
             saves = f"activations {size_text(5e8)} -> {size_text(1e8)} per GPU, +25% FLOPs"
             assert f"to fit: --activation_checkpointing full (the doctor's figure: {saves})" in line, line
 

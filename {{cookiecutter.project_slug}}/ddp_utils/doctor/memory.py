@@ -34,7 +34,7 @@ from ..contract import count_samples, model_inputs
 from ..core.precision import AMP_DTYPES, autocast
 from ..core.units import size_text
 from ..optim.optimizer import build_optimizer
-from ..parallel.activation_checkpointing import MODES, apply_activation_checkpointing
+from ..parallel.activation_checkpointing import MODES, apply_activation_checkpointing, checkpointable_blocks
 from ..parallel.blocks import shard_units
 from .rows import check, halves
 
@@ -66,28 +66,50 @@ class LiveBytes(TorchDispatchMode):
         self.live -= nbytes
 
 
-def activation_trace(model, batch, loss_fn, amp_dtype):
+def activation_trace(model, batch, loss_fn, amp_dtype, backward=False):
     """The bytes a forward and the loss of `batch` hold after each operation: what they save
-    for backward and what they hold for a while."""
+    for backward and what they hold for a while; with `backward`, through the backward too
+    (where activation checkpointing peaks: a block's forward runs again there), the gradients
+    accumulated into ones that exist already (the memory plan counts those apart)."""
+    if backward:
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.grad = torch.zeros_like(parameter)
     with LiveBytes() as tracked:
         with autocast("cpu", amp_dtype):
             loss = loss_fn(model(model_inputs(batch)), batch)
+        if backward:
+            loss.backward()
     del loss
     return tracked.trace
 
 
-def activations_at(model, batch, loss_fn, cfg):
-    """The peak activations of --batch_size samples. The bytes held after each operation are
-    measured on the first half of `batch` and on the whole of it, and each is taken along
-    the line through the two (what does not grow with the batch, such as autocast's copies of
-    the weights, counted once): the peak is where the largest of them is at --batch_size,
-    which need not be where it is for a few samples. Scaled from the whole when it has one
-    sample or the operations differ with the batch's size."""
-    amp_dtype, samples = AMP_DTYPES[cfg.amp], count_samples(batch)
-    whole = activation_trace(model, batch, loss_fn, amp_dtype)
+def activations_at(model, batch, loss_fn, cfg, backward=False):
+    """The peak activations of --batch_size samples (`scaled_peak`). With `backward`, through the
+    backward too, where activation checkpointing peaks (a block's forward runs again there): the
+    step's excess over the forward's peak is measured in float32 (a CPU's bfloat16 backward is
+    slow) and taken to --amp's precision in the proportion of the two forwards."""
+    amp_dtype = AMP_DTYPES[cfg.amp]
+    peak = scaled_peak(model, batch, loss_fn, cfg, amp_dtype)
+    if backward:
+        forward = peak if amp_dtype is None else scaled_peak(model, batch, loss_fn, cfg, None)
+        step = scaled_peak(model, batch, loss_fn, cfg, None, backward=True)
+        peak += max(0.0, step - forward) * (peak / forward if forward else 1.0)
+    return peak
+
+
+def scaled_peak(model, batch, loss_fn, cfg, amp_dtype, backward=False):
+    """The peak of activation_trace for --batch_size samples. The bytes held after each
+    operation are measured on the first half of `batch` and on the whole of it, and each is
+    taken along the line through the two (what does not grow with the batch, such as autocast's
+    copies of the weights, counted once): the peak is where the largest of them is at
+    --batch_size, which need not be where it is for a few samples. Scaled from the whole when it
+    has one sample or the operations differ with the batch's size."""
+    samples = count_samples(batch)
+    whole = activation_trace(model, batch, loss_fn, amp_dtype, backward)
     half_samples = samples // 2
     half = tree_map_only(torch.Tensor, torch.clone, halves(batch)[0])  # its own storage, not the batch's
-    half = activation_trace(model, half, loss_fn, amp_dtype) if half_samples else []
+    half = activation_trace(model, half, loss_fn, amp_dtype, backward) if half_samples else []
     if len(half) != len(whole):
         return max(whole, default=0) * cfg.batch_size / samples
     slopes = [(b - a) / (samples - half_samples) for a, b in zip(half, whole)]
@@ -108,6 +130,13 @@ def checkpointed(model, mode):
     return model
 
 
+def mode_activations(model, batch, loss_fn, cfg, mode):
+    """The peak activations under --activation_checkpointing `mode`: with a mode on, through the
+    backward, where the recompute peaks (on a copy: its gradients are made); without, the
+    forward's, which is where none peaks."""
+    return activations_at(checkpointed(model, mode), batch, loss_fn, cfg, backward=mode != "none")
+
+
 def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node, activations=None):
     """Bytes per GPU under ddp, fsdp over every GPU and hsdp (fsdp in replicas), and the flags
     of each: ({name: {part: bytes}}, {name: flags}, the configured one's name). `activations`:
@@ -118,7 +147,7 @@ def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node, activatio
     element = parameters[0].element_size() if parameters else 4
     compute = 2 if AMP_DTYPES[cfg.amp] is not None else element  # a parameter gathered for compute under fsdp
     if activations is None:
-        activations = activations_at(checkpointed(model, cfg.activation_checkpointing), batch, loss_fn, cfg)
+        activations = mode_activations(model, batch, loss_fn, cfg, cfg.activation_checkpointing)
     largest_unit = max((sum(p.numel() for p in unit.parameters()) for unit in shard_units(model)), default=0)
     largest_unit = largest_unit or sum(p.numel() for p in parameters)  # no units: the whole model is one
     default = replicas(cfg, world_size, gpus_per_node)
@@ -155,8 +184,9 @@ def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node, activatio
     return plans, flags, configured
 
 
-def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
-    """The memory plan's row: `plans` (bytes per GPU) against a GPU of `gpu_gb` GiB (--gpu_memory_gb)."""
+def memory_check(plans, flags, configured, cfg, gpu_gb, world_size, checkpointing=None):
+    """The memory plan's row: `plans` (bytes per GPU) against a GPU of `gpu_gb` GiB (--gpu_memory_gb);
+    `checkpointing`: the mode the activation checkpointing row names, where it names one."""
     totals = {name: sum(plan.values()) for name, plan in plans.items()}  # bytes
     summary = ", ".join(f"{name} {size_text(total)}" for name, total in totals.items())
     summary += f" per GPU at {world_size} GPUs, --batch_size {cfg.batch_size}, --amp {cfg.amp}"
@@ -177,7 +207,7 @@ def memory_check(plans, flags, configured, cfg, gpu_gb, world_size):
         fixes.append("more GPUs with --strategy fsdp (the model state shards over them)")
     if activations > 0.3 * totals[configured]:
         if cfg.activation_checkpointing == "none":
-            fixes.append("--activation_checkpointing full")
+            fixes.append(checkpointing or "--activation_checkpointing full")
         fixes.append(f"--batch_size {max(1, cfg.batch_size // 2)} --grad_accum_steps {2 * cfg.grad_accum_steps}")
     status = "warn" if any(fits.values()) else "fail"
     return check("memory plan", status, f"{summary}: {configured} does not fit {gpu}", "; or ".join(fixes))
@@ -190,15 +220,14 @@ def checkpointing_plan(model, batch, loss_fn, cfg):
     one sample of `batch` runs here (each sample costs the same), each mode on a copy.
     {mode: {"activations", "recompute_flops"}}; {} for a model with no blocks to checkpoint
     (which refuses the knob)."""
-    if not shard_units(model):
+    if not checkpointable_blocks(model):
         return {}
     plan, counted = {}, {}
     one = tree_map_only(torch.Tensor, lambda t: t[:1], batch)
     with torch.random.fork_rng(devices=[]):  # the checks after this one draw as they would have
         for mode in MODES:
-            copied = copy.deepcopy(model)
-            apply_activation_checkpointing(copied, mode)
-            activations = activations_at(copied, batch, loss_fn, cfg)
+            activations = mode_activations(model, batch, loss_fn, cfg, mode)
+            copied = copy.deepcopy(model) if mode == "none" else checkpointed(model, mode)
             with FlopCounterMode(display=False) as counter:
                 loss_fn(copied(model_inputs(one)), one).backward()  # the backward runs the recompute
             counted[mode] = counter.get_total_flops()
@@ -213,8 +242,8 @@ def checkpointing_check(modes, plans, configured, cfg, gpu_gb):
     and the mode of least recompute with which the configured strategy fits a GPU of `gpu_gb` GiB."""
     name = "activation checkpointing"
     if not modes:
-        summary = "not available: the model has no blocks to checkpoint (no nn.ModuleList or nn.Sequential of layers)"
-        return check(name, "pass", summary, "give the model a shard_units() method returning its blocks")
+        summary = "not available: the model has no blocks of several layers to checkpoint (its blocks: shard units)"
+        return check(name, "pass", summary, "give the model a shard_units() method returning them")
     figures = [
         f"{mode} {size_text(m['activations'])}" + (f" (+{m['recompute_flops']:.0%} FLOPs)" if mode != "none" else "")
         for mode, m in modes.items()

@@ -126,8 +126,10 @@ def diagnose(task, cfg, gpu_gb, world_size, gpus_per_node):
     modes = checkpointing_plan(model, small, task.loss_fn, cfg)  # each mode's activations, measured once
     measured = modes.get(cfg.activation_checkpointing, {}).get("activations")
     plans, flags, configured = memory_plan(model, small, task.loss_fn, cfg, world_size, gpus_per_node, measured)
-    rows = [memory_check(plans, flags, configured, cfg, gpu_gb, world_size)]
-    rows.append(checkpointing_check(modes, plans, configured, cfg, gpu_gb))
+    checkpointing = checkpointing_check(modes, plans, configured, cfg, gpu_gb)
+    fix = checkpointing["fix"]  # the mode that fits, where one does: the memory plan's row names the same
+    named = fix.split(" (")[0] if checkpointing["status"] == "warn" and fix.startswith("--activation") else None
+    rows = [memory_check(plans, flags, configured, cfg, gpu_gb, world_size, named), checkpointing]
     checkpoints = checkpoint_plan(model, cfg, world_size)
     rows.append(checkpoint_check(checkpoints, cfg, world_size))
     if torch.cuda.is_available():

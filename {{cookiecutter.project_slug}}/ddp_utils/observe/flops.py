@@ -90,13 +90,14 @@ def flops_per_sample(cfg, task, batch, as_trained=None):
     return counter.get_total_flops()
 
 
-def counted_flops(cfg, task, batch, as_trained=None):
-    """flops_per_sample, or 0 with one warning naming why: a metric never stops a run."""
+def counted_flops(cfg, task, batch, as_trained=None, metric="MFU"):
+    """flops_per_sample, or 0 with one warning naming why and the `metric` not reported: a
+    metric never stops a run."""
     try:
         return flops_per_sample(cfg, task, batch, as_trained)
     except Exception as error:  # noqa: BLE001 - NotCounted, or anything the counter itself raises
         why = str(error) if isinstance(error, NotCounted) else f"counting FLOPs raised {type(error).__name__}: {error}"
-        warn_main(f"MFU not reported: {why}")
+        warn_main(f"{metric} not reported: {why}")
         return 0
 
 
@@ -144,5 +145,6 @@ def build_throughput(cfg, ctx, task, one_sample, checkpoint_blocks):
         tokens_per_sample=task.tokens_per_sample(cfg),
         peak_tflops=peak,
         world_size=ctx.world_size,
-        hardware_flops_per_sample=counted_flops(cfg, task, one_sample, checkpoint_blocks) if recomputes else 0,
+        # A Hugging Face model checkpointed (its cache off) may not run on the meta device: MFU stays.
+        hardware_flops_per_sample=counted_flops(cfg, task, one_sample, checkpoint_blocks, "HFU") if recomputes else 0,
     )

@@ -45,20 +45,34 @@ SAVED_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_attention_math.default,
 }
-ALTERNATE_OPS = {aten.mm.default, aten.linear.default}  # every other one kept, as torchtitan does
+ALTERNATE_OPS = {aten.mm.default, aten.addmm.default, aten.linear.default}  # every other one kept, as torchtitan does
+
+
+def checkpointable_blocks(model):
+    """The blocks checkpointing can save memory in: `model`'s blocks (shard_units) unless there
+    are none, or each is a single layer (a Linear, a convolution), which keeps only its input
+    for the backward anyway: [] then."""
+    blocks = shard_units(model)
+    return blocks if any(next(block.children(), None) is not None for block in blocks) else []
 
 
 def apply_activation_checkpointing(model, mode):
     """Checkpoint `model`'s blocks as `mode` says; returns the number checkpointed. A model whose
-    blocks cannot be found refuses any mode but none, naming the fix."""
+    blocks cannot be found, or are single layers, refuses any mode but none, naming the fix."""
     if mode == "none":
         return 0
-    blocks = shard_units(model)
+    blocks = checkpointable_blocks(model)
     if not blocks:
+        layers = sorted({type(block).__name__ for block in shard_units(model)})
+        why = (
+            f"its blocks are single layers ({', '.join(layers)}), each keeping only its input already: nothing to save"
+            if layers
+            else "it has no blocks to checkpoint (no nn.ModuleList or nn.Sequential of layers)"
+        )
         raise ConfigError(
             "activation_checkpointing",
-            f"{mode}: {type(model).__name__} has no blocks to checkpoint (no nn.ModuleList or nn.Sequential of "
-            "layers): give it a shard_units() method returning them, or set --activation_checkpointing none",
+            f"{mode}: {type(model).__name__}: {why}; give it a shard_units() method returning blocks of several "
+            "layers, or set --activation_checkpointing none",
         )
     for block in blocks:
         if getattr(block, "gradient_checkpointing", False):

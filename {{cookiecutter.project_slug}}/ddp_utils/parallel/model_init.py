@@ -9,8 +9,10 @@ from collections import Counter
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ..contract import build_on_meta
+from ..core.logs import report
 from ..data.loaders import mix_seed
 from ..errors import ConfigError
 from .activation_checkpointing import apply_activation_checkpointing
@@ -21,8 +23,17 @@ def build_module(cfg, build_model, device, on_meta=False, shard=None):
     """`build_model(cfg)` as `_built` makes it, its blocks then checkpointed as
     --activation_checkpointing says (before --compile and the strategy's wrapper)."""
     model = _built(cfg, build_model, device, on_meta, shard)
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if checkpointed := apply_activation_checkpointing(model, cfg.activation_checkpointing):
+        blocks = shard_units(model)
+        kinds = ", ".join(sorted({_class_name(block) for block in blocks}))
+        report("activation checkpointing %s: %d of %d blocks (%s)", cfg.activation_checkpointing, checkpointed,
+               len(blocks), kinds)  # fmt: skip
     return model
+
+
+def _class_name(module):
+    """The module's own class: FSDP2 makes a subclass of it, FSDP<name>, for each sharded one."""
+    return type(module).__mro__[1].__name__ if isinstance(module, FSDPModule) else type(module).__name__
 
 
 def _built(cfg, build_model, device, on_meta=False, shard=None):

@@ -32,8 +32,7 @@ from ..observe.metrics import Meter, Reporter
 from ..observe.profiling import StepProfiler
 from ..optim.lr_schedule import Plan, lr_at
 from ..optim.optimizer import build_optimizer, peak_lr
-from ..parallel.activation_checkpointing import apply_activation_checkpointing
-from ..parallel.blocks import shard_units
+from ..parallel.activation_checkpointing import apply_activation_checkpointing, checkpointable_blocks
 from ..parallel.strategy import build_strategy, load_full_weights, model_state_bytes, unused_parameters_named
 from .evaluation import TextSamples, Validator
 from .out_of_memory import MemoryGuard
@@ -90,7 +89,7 @@ class Trainer:
         self.last_evaluated = None  # the step of the last metrics line
         self.checks = StepChecks(cfg, fp16=self.scaler.is_enabled())
         # Out of memory: one line that says where and what helps (activation checkpointing where it can).
-        self.memory = MemoryGuard(cfg, ctx, checkpointable=bool(shard_units(self.strategy.module)))
+        self.memory = MemoryGuard(cfg, ctx, checkpointable=bool(checkpointable_blocks(self.strategy.module)))
         self.stop = StopRequest()
         # Fires a little before the collective timeout, so stacks are written before the job ends.
         self.watchdog = Watchdog(cfg.timeout_seconds, ctx.rank, self.stop)
