@@ -146,7 +146,7 @@ def measure(args):
         trainer.optimizer_step()
         results[mode]["step_peak"] = max(tracker.trace)
         results[mode]["held"] = tracking.pop("held")
-        results[mode]["doctor"] = mode_activations(plain, batches[0], TASK.loss_fn, cfg, mode)
+        results[mode]["doctor"] = mode_activations(plain, batches[0], TASK.loss_fn, cfg, mode, backward=True)
         print(f"{mode}: step peak {results[mode]['step_peak'] / MIB:.1f} MiB", file=sys.stderr, flush=True)
     for trainer in trainers.values():
         close_trainer(trainer)

@@ -140,6 +140,12 @@ def tracked(tmp_path_factory):
     root = tmp_path_factory.mktemp("tracked")
     output_dir = root / "run"
     env = {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
+    # Its experiment made beforehand with its artifacts here: by default MLflow writes them to
+    # ./mlruns of the working directory, the project's, which other tests read.
+    import mlflow
+
+    experiment = Config().tracker_project
+    mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"]).create_experiment(experiment, (root / "artifacts").as_uri())
     first = run_training(output_dir, *TRACKED, "--max_steps", "6", nproc=2, env=env, probe="count_scale_reads")
     ids = json.loads((output_dir / "trackers.json").read_text())
     second = run_training(output_dir, *TRACKED, "--max_steps", "10", nproc=2, env=env, probe="count_scale_reads")

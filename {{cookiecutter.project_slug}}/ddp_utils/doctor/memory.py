@@ -130,11 +130,14 @@ def checkpointed(model, mode):
     return model
 
 
-def mode_activations(model, batch, loss_fn, cfg, mode):
-    """The peak activations under --activation_checkpointing `mode`: with a mode on, through the
-    backward, where the recompute peaks (on a copy: its gradients are made); without, the
-    forward's, which is where none peaks."""
-    return activations_at(checkpointed(model, mode), batch, loss_fn, cfg, backward=mode != "none")
+def mode_activations(model, batch, loss_fn, cfg, mode, backward=None):
+    """The peak activations under --activation_checkpointing `mode`, on a copy of `model` (its
+    gradients are made): through the backward, where a mode peaks (its recompute), by default
+    with a mode on; `backward` True for none too, to compare the modes with it on the step's
+    peak (the activations' gradients beside what the forward kept)."""
+    backward = mode != "none" if backward is None else backward
+    model = copy.deepcopy(model) if mode == "none" and backward else checkpointed(model, mode)
+    return activations_at(model, batch, loss_fn, cfg, backward=backward)
 
 
 def memory_plan(model, batch, loss_fn, cfg, world_size, gpus_per_node, activations=None):
@@ -226,7 +229,7 @@ def checkpointing_plan(model, batch, loss_fn, cfg):
     one = tree_map_only(torch.Tensor, lambda t: t[:1], batch)
     with torch.random.fork_rng(devices=[]):  # the checks after this one draw as they would have
         for mode in MODES:
-            activations = mode_activations(model, batch, loss_fn, cfg, mode)
+            activations = mode_activations(model, batch, loss_fn, cfg, mode, backward=True)  # all on the step's peak
             copied = copy.deepcopy(model) if mode == "none" else checkpointed(model, mode)
             with FlopCounterMode(display=False) as counter:
                 loss_fn(copied(model_inputs(one)), one).backward()  # the backward runs the recompute
