@@ -35,8 +35,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import (
+    ARGS,
     PROJECT,
+    TWO,
     compared_metrics,
     descendants,
     kill_tree,
@@ -47,6 +50,7 @@ from conftest import (
 )
 
 from ddp_utils import export
+from ddp_utils.distributed import store_waits
 from task import TASK
 
 pytestmark = pytest.mark.fixed_amp  # bit-exact comparisons need --amp none
@@ -341,3 +345,167 @@ def test_random_faults_under_async_sharded_checkpoints_end_like_the_uninterrupte
     except BaseException:
         print(schedule_table(seed, faults, STEPS), flush=True)
         raise
+
+
+# --- the heartbeats that cut a wait in the store short (ddp_utils/distributed/store_waits.py) ---
+
+# A training run whose rank 0 holds its second checkpoint write until $RELEASE_FILE exists (the
+# other rank waits for it at the checkpoint's barrier meanwhile), printing a line as it starts.
+HELD_SECOND_SAVE = """
+import os, sys, time
+from pathlib import Path
+
+sys.path.insert(0, os.getcwd())
+import torch
+import task
+from ddp_utils.train import run
+
+save, writes, release = torch.save, [], Path(os.environ["RELEASE_FILE"])
+
+
+def held(obj, f, *args, **kwargs):
+    if os.environ["RANK"] == "0" and str(getattr(f, "name", "")).endswith(".pt.tmp"):
+        writes.append(1)
+        if len(writes) == 2:
+            print("PROBE second checkpoint write held", flush=True)
+            while not release.exists():
+                time.sleep(0.05)
+    return save(obj, f, *args, **kwargs)
+
+
+torch.save = held
+sys.exit(run.main(task.TASK, sys.argv[1:]))
+"""
+
+
+def signal_all(pids, signum):
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_job_paused_whole_and_resumed_rank_by_rank_loses_no_rank(tmp_path):
+    """The whole job is suspended (SIGSTOP to torchrun and every process under it: a scheduler's
+    suspend, a frozen cgroup) for longer than the heartbeats' GONE_SECONDS while rank 1 waits
+    in the store for rank 0's checkpoint, then resumed rank 1 first (torchrun and its store
+    with it) and rank 0 a second later: rank 1 must not count the time it was stopped itself
+    against rank 0, and the run ends as usual."""
+    script, release = tmp_path / "held_save.py", tmp_path / "release"
+    script.write_text(HELD_SECOND_SAVE)
+    output_dir, log = tmp_path / "run", tmp_path / "run.log"
+    command = training_command(output_dir, *ARGS, *TWO, nproc=2)
+    command[command.index("train.py")] = str(script)
+    process = subprocess.Popen(command, cwd=PROJECT, env=training_env({"RELEASE_FILE": str(release)}),
+                               stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while "second checkpoint write held" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        time.sleep(2)  # rank 1 reaches the barrier and waits there
+        everything = [process.pid, *descendants(process.pid)]
+        workers = {rank_of(pid): pid for pid in children(process.pid)}
+        assert sorted(workers) == [0, 1], workers
+        signal_all(everything, signal.SIGSTOP)
+        time.sleep(store_waits.GONE_SECONDS + 3)
+        signal_all([pid for pid in everything if pid != workers[0]], signal.SIGCONT)
+        time.sleep(1)
+        os.kill(workers[0], signal.SIGCONT)
+        time.sleep(3)  # rank 1 watches a while, then rank 0 writes on
+        release.touch()
+        code = process.wait(timeout=180)
+    finally:
+        kill_tree(process.pid)
+        process.wait()
+    output = log.read_text()
+    assert "stopped answering" not in output and code == 0, output[-4000:]
+
+
+class FlakyStore:
+    """A store whose heartbeat clients (its clones) raise on their first `failures` writes, as a
+    client whose connection broke, or a busy server past its timeout, does."""
+
+    def __init__(self, store, failures, clone=False):
+        self.store, self.left, self.is_clone = store, failures, clone
+
+    def clone(self):
+        return FlakyStore(self.store, self.left, clone=True)
+
+    def set(self, key, value):
+        if self.is_clone and self.left[0] > 0:
+            self.left[0] -= 1
+            raise RuntimeError("Connection reset by peer")
+        return self.store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def until(condition, seconds, what):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_store_error_does_not_end_the_heartbeats_and_a_stopped_rank_is_still_seen(monkeypatch):
+    """Each rank's heartbeat thread meets errors from the store (three failed writes each): the
+    heartbeats go on, and neither rank takes the other for gone; a rank whose heartbeat then
+    stops is seen gone by the other, whichever it is."""
+    monkeypatch.setattr(store_waits, "BEAT_SECONDS", 0.1)
+    monkeypatch.setattr(store_waits, "GONE_SECONDS", 2.0)
+    store = dist.HashStore()
+    ranks = [store_waits.Heartbeats(FlakyStore(store, failures=[3]), rank, 2) for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 3 * store_waits.GONE_SECONDS
+        while time.monotonic() < deadline:
+            assert [beats.gone() for beats in ranks] == [[], []]
+            time.sleep(0.1)
+        ranks[1].stop()
+        until(lambda: ranks[0].gone() == [1], 5 * store_waits.GONE_SECONDS, "rank 1's stopped heartbeat not seen")
+        ranks[0].stop()
+        until(lambda: ranks[1].gone() == [0], 5 * store_waits.GONE_SECONDS, "rank 0's stopped heartbeat not seen")
+    finally:
+        for beats in ranks:
+            beats.stop()
+
+
+class CountingStore:
+    """A store that counts the keys its requests name."""
+
+    def __init__(self, store):
+        self.store, self.keys = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args):
+            self.keys += len(args[0]) if args and isinstance(args[0], list) else 1
+            return method(*args)
+
+        return counted
+
+
+def test_a_waiting_rank_reads_one_key_whatever_the_world_size(monkeypatch):
+    """64 ranks on one store: a rank waiting in it reads one key a look (rank 0's verdict), not
+    every rank's counter, so the store's load grows as the ranks, not as their square
+    (bench/heartbeats.py measures it at 512 ranks); a rank that stops is still named."""
+    monkeypatch.setattr(store_waits, "BEAT_SECONDS", 0.1)
+    monkeypatch.setattr(store_waits, "GONE_SECONDS", 2.0)
+    store, world_size = dist.HashStore(), 64
+    ranks = [store_waits.Heartbeats(store, rank, world_size) for rank in range(world_size)]
+    waiter = ranks[5]
+    waiter.store = counted = CountingStore(store)
+    try:
+        for _ in range(5):
+            before = counted.keys
+            assert waiter.gone() == []
+            assert counted.keys - before <= 2, f"a look read {counted.keys - before} keys"
+            time.sleep(0.1)
+        ranks[40].stop()
+        until(lambda: waiter.gone() == [40], 5 * store_waits.GONE_SECONDS, "rank 40's stopped heartbeat not seen")
+    finally:
+        for beats in ranks:
+            beats.stop()

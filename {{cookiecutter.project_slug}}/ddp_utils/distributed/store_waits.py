@@ -1,7 +1,7 @@
 """Waits through the key-value store, for waits that the collective timeout must not bound
 (a large checkpoint on a slow file system): `store_barrier`, `agree` and `share_from_main`.
 
-They wait in slices and watch every rank's heartbeat in the store (`Heartbeats`, started by
+They wait in slices and watch the ranks' heartbeats in the store (`Heartbeats`, started by
 `dist.setup_distributed`): a rank that died (a SIGKILL, a lost node) stops the waiting ranks
 within seconds, so torchrun's restart starts then, not when the wait's limit or torchrun's kill
 after its stop signal comes.
@@ -16,56 +16,93 @@ from ..errors import CheckpointError, RankGone, TrainingError
 from .faults import FAILED_KEY, exit_now
 
 BEAT_SECONDS = 1.0  # each rank raises its heartbeat counter in the store this often
-GONE_SECONDS = 6.0  # a rank whose counter has not moved for this long, as a waiting rank sees it, is gone
+GONE_SECONDS = 6.0  # a rank whose counter has not moved for this long, as its watcher sees it, is gone
 WAIT_SLICE_SECONDS = 1.0  # a rank waiting in the store looks at the heartbeats this often
+VERDICT_KEY = "heartbeat/verdict"  # rank 0's: "<its own counter> <the ranks it found gone, comma-separated>"
+
+
+class Stillness:
+    """How long each watched value has stood still, on the watcher's own running time: a look
+    counts the time since the watcher's previous look, but never more than two of its periods.
+    A longer gap means the watcher itself was not running (the whole job suspended by its
+    scheduler, a frozen cgroup, a paused VM, a starved thread): the others were most likely
+    stopped too, and a watcher resumed first must not take them for dead."""
+
+    def __init__(self):
+        self.values = {}  # name: (value, seconds it has stood still, when it was last looked at)
+
+    def look(self, name, value, now):
+        """Seconds `value` of `name` has stood still (0 when it moved since the last look)."""
+        last = self.values.get(name)
+        still = 0.0
+        if last is not None and last[0] == value:
+            still = last[1] + min(now - last[2], 2 * max(BEAT_SECONDS, WAIT_SLICE_SECONDS))
+        self.values[name] = (value, still, now)
+        return still
 
 
 class Heartbeats:
-    """Every rank's heartbeat in the store: a counter its own thread raises every BEAT_SECONDS,
-    through a clone of the store (a client of its own: a wait on the main thread does not hold
-    it up), whatever the rank is doing (torch.save and DCP's writes let the thread run). A rank
-    waiting in the store asks `gone()`: the ranks whose counter has not moved for GONE_SECONDS
-    on its own clock (no two hosts' clocks are compared). The thread also ends the process when
-    another rank has stopped the job alone and said why (faults.FAILED_KEY, set by a rank out of
-    memory), wherever this one waits for it."""
+    """The ranks' heartbeats in the store, at a cost that grows as the number of ranks.
+
+    Each rank's thread raises its counter (`heartbeat/<rank>`) every BEAT_SECONDS, through a
+    client of its own (a wait on the main thread does not hold it up), whatever the rank is
+    doing (torch.save and DCP's writes let the thread run). Rank 0's thread is the watcher:
+    each beat it reads every counter in one request and writes its verdict, one key
+    (VERDICT_KEY): its own counter and the ranks whose counter has not moved for GONE_SECONDS.
+    A rank waiting in the store asks `gone()`: it reads that one key, and takes rank 0 for gone
+    when the verdict's counter has not moved for GONE_SECONDS. So the store serves about two
+    requests per rank each second, waiting or not, not one read of every counter by every
+    waiting rank. Stillness is counted on the watcher's own running time (`Stillness`), and
+    no two hosts' clocks are compared. An error from the store (a connection reset, a busy
+    server's timeout) costs one beat: the thread tries again, on a new connection, at the
+    next. The thread also ends the process when another rank has stopped the job alone and said
+    why (faults.FAILED_KEY, set by a rank out of memory), wherever this one waits for it."""
 
     def __init__(self, store, rank, world_size):
         self.store, self.rank = store, rank
-        self.keys = [f"heartbeat/{other}" for other in range(world_size)]
-        self.seen = {}  # rank: (its counter, when this rank saw it change)
+        self.watched = [f"heartbeat/{other}" for other in range(1, world_size)]  # rank 0's verdict says for itself
+        self.verdict = ()  # rank 0: the ranks its watcher found gone at its last beat
+        self.stillness = Stillness()  # a waiting rank's view of the verdict's counter
+        self.verdict_seen = False
         self._stop = threading.Event()
-        store.set(self.keys[rank], "0")
+        if rank == 0:  # every key the watcher reads exists from now on (a rank's own beats may come first)
+            store.multi_set([VERDICT_KEY, *self.watched], ["0 ", *["0"] * len(self.watched)])
         threading.Thread(target=self._beat, args=(store.clone(),), name="heartbeat", daemon=True).start()
 
     def _beat(self, store):
-        count = 0
+        count, stillness = 0, Stillness()
         while not self._stop.wait(BEAT_SECONDS):
             count += 1
             try:
-                store.set(self.keys[self.rank], str(count))
+                if store is None:
+                    store = self.store.clone()
+                if self.rank == 0:
+                    values = store.multi_get(self.watched)
+                    now = time.monotonic()
+                    self.verdict = tuple(
+                        rank for rank, value in enumerate(values, 1) if stillness.look(rank, value, now) > GONE_SECONDS
+                    )
+                    store.set(VERDICT_KEY, f"{count} {','.join(map(str, self.verdict))}")
+                else:
+                    store.set(self.watched[self.rank - 1], str(count))
                 failed = store.check([FAILED_KEY])
-            except Exception:  # the store is gone: the job is ending
-                return
+            except Exception:  # the store did not answer this time: the next beat tries again, on a new client
+                store = None
+                continue
             if failed:  # another rank stopped the job, and said why (errors.OutOfMemory): leave now
                 exit_now(1)
 
     def gone(self):
         """The other ranks whose heartbeat has stopped (checked from a waiting rank)."""
-        now = time.monotonic()
-        others = [rank for rank in range(len(self.keys)) if rank != self.rank]
-        keys = [self.keys[rank] for rank in others]
-        if self.store.check(keys):
-            values = self.store.multi_get(keys)
-        else:  # a rank that has not started its heartbeat yet counts from now
-            values = [self.store.get(key) if self.store.check([key]) else b"" for key in keys]
-        stopped = []
-        for rank, value in zip(others, values, strict=True):
-            last = self.seen.get(rank)
-            if last is None or last[0] != value:
-                self.seen[rank] = (value, now)
-            elif now - last[1] > GONE_SECONDS:
-                stopped.append(rank)
-        return stopped
+        if self.rank == 0:
+            return list(self.verdict)
+        if not self.verdict_seen:  # rank 0 has not started its heartbeat yet: its verdict counts from now
+            self.verdict_seen = self.store.check([VERDICT_KEY])
+        value = self.store.get(VERDICT_KEY).decode() if self.verdict_seen else ""
+        count, _, found = value.partition(" ")
+        if self.stillness.look(0, count, time.monotonic()) > GONE_SECONDS:
+            return [0]
+        return [rank for rank in map(int, filter(None, found.split(","))) if rank != self.rank]
 
     def stop(self):
         self._stop.set()
