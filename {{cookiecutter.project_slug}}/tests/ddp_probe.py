@@ -217,6 +217,45 @@ def slow_checkpoint_write():
     torch.save = save
 
 
+def stall_before_rename():
+    """Rank 0 stops itself (SIGSTOP, its claim's heartbeat with it) once it has written its
+    first checkpoint file, before the rename that puts it in place: a run stalled between the
+    write and the rename, which a test continues (SIGCONT) after another run took its folder over."""
+    original, writes = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        result = original(obj, f, *args, **kwargs)
+        if RANK == 0 and str(getattr(f, "name", "")).endswith(".pt.tmp") and not writes:
+            writes.append(1)
+            print("PROBE checkpoint written, not renamed: stalled", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return result
+
+    torch.save = save
+
+
+def hold_sharded_save():
+    """Every rank holds in DCP's save of the sharded checkpoint of step $HOLD_SAVE_STEP until the
+    file $HOLD_SAVE_RELEASE exists (rank 0 prints a line as it starts holding): a save caught
+    half-way, its temporary folder prepared, no shard written yet."""
+    import torch.distributed.checkpoint as dcp
+
+    name, release = f"step_{int(os.environ['HOLD_SAVE_STEP']):09d}", Path(os.environ["HOLD_SAVE_RELEASE"])
+
+    def holding(original):
+        def save(*args, checkpoint_id=None, **kwargs):
+            if name in str(checkpoint_id):
+                if RANK == 0:
+                    print(f"PROBE holding the save of {name}", flush=True)
+                while not release.exists():
+                    time.sleep(0.1)
+            return original(*args, checkpoint_id=checkpoint_id, **kwargs)
+
+        return save
+
+    dcp.save, dcp.async_save = holding(dcp.save), holding(dcp.async_save)
+
+
 def slow_second_save():
     """On the first attempt only (not after torchrun's restart), rank 0 takes 60 s over its
     second checkpoint write, printing a line as it starts (the first is complete: there is one
@@ -828,7 +867,7 @@ PROBES = {
     for f in (count_allreduce, nan_on_rank1, stop_on_rank1, unused_param, eval_only, record_clip, record_grad_norms)
     + (slow, crash_in_checkpoint_write, with_dropout, stall_rank1, count_compressed_bytes, overflow_once)
     + (overflow_from_step3, fail_on_rank1, slow_loss, slow_until_joined, slow_until_stopped, slow_until_released)
-    + (slow_checkpoint_write, fast_claim, slow_second_save, out_of_memory)
+    + (slow_checkpoint_write, fast_claim, slow_second_save, out_of_memory, stall_before_rename, hold_sharded_save)
     + (record_initial_weights, single_param_group, record_staging, record_mesh, record_offload, children_after_close)
     + (float64,)
     + (bad_samples, late_rank0, record_gradient_memory, count_scale_reads, item_in_forward)

@@ -4,6 +4,7 @@ of the same job is waited for; each launcher names its job."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from conftest import (
     wait_for,
 )
 
+from ddp_utils.checkpoint.loading import load_checkpoint
 from ddp_utils.errors import ClaimRefused
 from ddp_utils.train import folder_claim
 from ddp_utils.train.folder_claim import CLAIM_FILE, Claim, job_identity
@@ -41,16 +43,17 @@ def start_slow_run():
     until the file `release` exists; killed at the end of the test. Its output goes to
     `log` (default: the output folder's name + .log beside it); `probe` adds probes; with
     `another_machine`, as on another machine that shares this file system; `hold_at`: it stops
-    at that micro-step until released (it cannot end before, however slow the machine)."""
+    at that micro-step until released (it cannot end before, however slow the machine); `args`
+    after the reference's, `env` added to the environment."""
     processes = []
 
-    def start(output_dir, release, log=None, probe="", another_machine=False, hold_at=0):
+    def start(output_dir, release, log=None, probe="", another_machine=False, hold_at=0, args=(), env=None):
         log = open(log or output_dir.parent / f"{output_dir.name}.log", "w")
         probes = ",".join(filter(None, ["float64,slow_until_released", probe]))
-        command = training_command(output_dir, *ARGS, *TWO, nproc=2, probe=probes)
+        command = training_command(output_dir, *ARGS, *TWO, *args, nproc=2, probe=probes)
         if another_machine:
             command = on_another_machine(command)
-        env = training_env({"RELEASE_FILE": str(release), "HOLD_AT_CALL": str(hold_at)})
+        env = training_env({"RELEASE_FILE": str(release), "HOLD_AT_CALL": str(hold_at), **(env or {})})
         process = subprocess.Popen(command, cwd=PROJECT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # fmt: skip
         processes.append(process)
@@ -177,6 +180,119 @@ def test_a_run_whose_folder_was_taken_over_stops_and_the_new_owner_ends_as_if_al
     assert not list((output_dir / "checkpoints").glob(".*")), "a partial file was left behind"
 
 
+def stall(process):
+    """SIGSTOP `process` and its descendants (a paused VM, a host cut off); returns them, for `resume`."""
+    stalled = [process.pid, *descendants(process.pid)]
+    for pid in stalled:
+        os.kill(pid, signal.SIGSTOP)
+    return stalled
+
+
+def resume(stalled):
+    for pid in stalled:
+        os.kill(pid, signal.SIGCONT)
+
+
+def wait_for_takeover(output_dir, token, second, second_log):
+    """Until another run holds the claim that held `token`; returns the new owner."""
+    deadline = time.monotonic() + 180
+    while (taken := folder_claim.read_claim(output_dir / CLAIM_FILE)) is None or taken["token"] == token:
+        assert second.poll() is None and time.monotonic() < deadline, second_log.read_text()
+        time.sleep(0.1)
+    return taken
+
+
+def wait_for_line(text, path, process, seconds=180):
+    """Until the file `path` (a run's output) holds `text`; fail at once if `process` ends first."""
+    deadline = time.monotonic() + seconds
+    while text not in path.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, path.read_text()
+        time.sleep(0.1)
+
+
+def stopped_alone(first, first_log, taken):
+    """The stalled run's end, once continued: it fails, with one line naming the new owner."""
+    assert first.wait(timeout=120) != 0, first_log.read_text()
+    lines = [line for line in first_log.read_text().splitlines() if "no longer owns" in line]
+    assert len(lines) == 1, first_log.read_text()
+    assert f"taken over by host {taken['host']}, pid {taken['pid']}" in lines[0], lines[0]
+
+
+def test_train_log_after_a_takeover_gets_no_line_of_the_stalled_run(tmp_path, start_slow_run):
+    """A run stalled past the staleness and taken over, continued with no evaluation or
+    checkpoint due for many steps: train.log, the new owner's file now, gets no line of it
+    (its next line is dropped, as the heartbeat has not seen the claim for two beats), and it
+    stops at its next step on every rank, with one line on its console naming the new owner."""
+    output_dir, first_log, second_log = tmp_path / "run", tmp_path / "first.log", tmp_path / "second.log"
+    first = start_slow_run(output_dir, tmp_path / "never", log=first_log, probe="fast_claim", another_machine=True,
+                           args=["--log_every_steps", "1", "--checkpoint_every_steps", "0"])  # fmt: skip
+    wait_for(output_dir / "train.log", first)
+    wait_for_line("step 2 loss", output_dir / "train.log", first)
+    stalled = stall(first)
+    mine = json.loads((output_dir / CLAIM_FILE).read_text())
+    second = start_slow_run(output_dir, tmp_path / "release", log=second_log, probe="fast_claim", hold_at=1)
+    taken = wait_for_takeover(output_dir, mine["token"], second, second_log)
+    wait_for_line("training ", second_log, second)  # its log lines before the first step are written
+    before, console = (output_dir / "train.log").read_text(), len(first_log.read_text())
+    resume(stalled)
+    stopped_alone(first, first_log, taken)
+    steps_after = re.findall(r"INFO step \d+ loss", first_log.read_text()[console:])
+    assert len(steps_after) <= 3, first_log.read_text()[console:]  # not trained on to the epoch's end
+    after = (output_dir / "train.log").read_text()
+    assert after.startswith(before) and "step " not in after[len(before) :], after[len(before) :]
+    assert "no longer owns" not in after
+    assert second.poll() is None
+
+
+def test_a_one_file_save_woken_between_write_and_rename_puts_nothing_in_place(tmp_path, start_slow_run):
+    """The first run stalls (rank 0, its heartbeat with it) with its first checkpoint written
+    under its temporary name, not yet renamed; a job started here takes the folder over; the
+    first, continued, meets the last fence before the rename: its file is never put in place
+    (nor left behind), and it stops with one line naming the new owner."""
+    output_dir, first_log, second_log = tmp_path / "run", tmp_path / "first.log", tmp_path / "second.log"
+    first = start_slow_run(output_dir, tmp_path / "never", log=first_log, probe="fast_claim,stall_before_rename",
+                           another_machine=True)  # fmt: skip
+    wait_for_line("PROBE checkpoint written, not renamed", first_log, first)
+    mine = json.loads((output_dir / CLAIM_FILE).read_text())
+    second = start_slow_run(output_dir, tmp_path / "release", log=second_log, probe="fast_claim", hold_at=2)
+    taken = wait_for_takeover(output_dir, mine["token"], second, second_log)
+    wait_for_line("training ", second_log, second)
+    written = list((output_dir / "checkpoints").glob(".*.tmp"))
+    assert len(written) == 1, written  # the first's checkpoint, written, not in place
+    resume([first.pid, *descendants(first.pid)])
+    stopped_alone(first, first_log, taken)
+    assert not list((output_dir / "checkpoints").iterdir()), list((output_dir / "checkpoints").iterdir())
+    assert second.poll() is None
+
+
+def test_an_fsdp_takeover_during_a_save_leaves_the_new_owners_save_whole(tmp_path, start_slow_run):
+    """--strategy fsdp: the first run is stalled in its save of step 8, its temporary folder
+    made; a job started here takes the folder over, resumes step 4 and saves step 8 too, held
+    half-way; the first, continued, writes its shards and meets its fence: the new owner's
+    temporary folder is neither written into nor removed, and its step 8 is a whole checkpoint."""
+    output_dir, first_log, second_log = tmp_path / "run", tmp_path / "first.log", tmp_path / "second.log"
+    wake, release = tmp_path / "wake", tmp_path / "release"
+    fsdp, probe = ["--strategy", "fsdp", "--epochs", "1"], "fast_claim,hold_sharded_save"
+    first = start_slow_run(output_dir, tmp_path / "never", log=first_log, probe=probe, another_machine=True, args=fsdp,
+                           env={"HOLD_SAVE_STEP": "8", "HOLD_SAVE_RELEASE": str(wake)})  # fmt: skip
+    wait_for_line("PROBE holding the save of step_000000008", first_log, first)
+    stalled = stall(first)
+    mine = json.loads((output_dir / CLAIM_FILE).read_text())
+    second = start_slow_run(output_dir, release, log=second_log, probe=probe, args=fsdp,
+                            env={"HOLD_SAVE_STEP": "8", "HOLD_SAVE_RELEASE": str(release)})  # fmt: skip
+    taken = wait_for_takeover(output_dir, mine["token"], second, second_log)
+    wait_for_line("PROBE holding the save of step_000000008", second_log, second)
+    wake.touch()
+    resume(stalled)
+    stopped_alone(first, first_log, taken)
+    release.touch()
+    wait_for(output_dir / "checkpoints" / "step_000000008", second)
+    state = load_checkpoint(output_dir / "checkpoints" / "step_000000008")  # every shard there, trainer.pt too
+    assert state["step"] == 8
+    assert second.wait(timeout=300) == 0, second_log.read_text()
+    assert not list((output_dir / "checkpoints").glob(".*")), "a partial folder was left behind"
+
+
 def config_value(path, name):
     """Field `name` of a config.toml, whichever table holds it."""
     tables = [tomllib.loads(path.read_text())]
@@ -300,6 +416,37 @@ def test_a_run_lets_go_of_its_own_claim_only(tmp_path, fast_claims):
     write_claim(tmp_path)  # another run took the folder over while this one was stalled
     mine.release()
     assert json.loads((tmp_path / CLAIM_FILE).read_text())["token"] == "theirs"
+
+
+def test_a_lost_reply_to_the_claims_link_is_still_this_runs_claim(tmp_path, monkeypatch):
+    """NFS: the reply to a hard link that succeeded is lost, and the client's retry answers
+    EEXIST. The claim is read back: this run's own, not a run in progress to wait for."""
+    link = os.link
+
+    def link_reply_lost(source, target):
+        link(source, target)
+        raise FileExistsError(17, "File exists")
+
+    monkeypatch.setattr(os, "link", link_reply_lost)
+    claim = Claim.take(tmp_path, "job B", 1.0, print)
+    assert json.loads((tmp_path / CLAIM_FILE).read_text())["token"] == claim.owner["token"]
+    claim.release()
+    assert not (tmp_path / CLAIM_FILE).exists()
+
+
+def test_a_file_system_without_hard_links_still_claims_once(tmp_path, monkeypatch):
+    """Without hard links (EPERM), the claim is created only if absent: this run takes the
+    folder, and a second start into it is refused."""
+
+    def no_links(source, target):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    claim = Claim.take(tmp_path, "job B", 1.0, print)
+    assert json.loads((tmp_path / CLAIM_FILE).read_text())["token"] == claim.owner["token"]
+    with pytest.raises(ClaimRefused, match="belongs to a run in progress"):
+        Claim.take(tmp_path, "job C", 1.0, print)
+    claim.release()
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from conftest import (
     start_from,
 )
 
-from ddp_utils.checkpoint import loading
+from ddp_utils.checkpoint import loading, single_file
 from ddp_utils.errors import CheckpointError
 from model import ModelConfig
 from task import TASK
@@ -139,6 +139,32 @@ def test_a_crash_during_any_checkpoint_write_loses_nothing(reference, tmp_path, 
     assert f"step {4 * (write - 1)}" in resumed.stdout
     assert_same_parameters(tmp_path, reference.one)
     assert not list(folder.glob(".*"))  # the crash's temporary file is gone
+
+
+def test_the_restarts_repeated_steps_are_in_metrics_jsonl_once(tmp_path):
+    """A run killed before its first checkpoint (SIGKILL in its first write, its first metrics
+    line written) starts afresh when run again: metrics.jsonl holds each step's line once, the
+    killed run's lines replaced by the restart's."""
+    args = ["--max_steps", "4", "--eval_every_steps", "2", "--checkpoint_every_steps", "0"]
+    killed = run_training(tmp_path, *args, probe="crash_in_checkpoint_write", env={"CRASH_AT_WRITE": "1"},
+                          check=False)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL and [m["step"] for m in read_metrics(tmp_path)] == [2]
+    run_training(tmp_path, *args)
+    assert [m["step"] for m in read_metrics(tmp_path)] == [2, 4]
+
+
+def test_a_save_never_prunes_the_checkpoint_it_has_just_written(tmp_path):
+    """A folder with newer steps than the run saves (it resumed from another folder's
+    checkpoint, or --keep_checkpoints was lowered): the newest --keep_checkpoints stay, and the
+    one just saved, which last.pt names, always."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for step in (100, 200):
+        torch.save({"step": step}, folder / f"step_{step:09d}.pt")
+    assert single_file._write_checkpoint({"step": 50}, folder, 50, 2) is None
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["last.pt", "step_000000050.pt", "step_000000200.pt"], names
+    assert os.path.samefile(folder / "last.pt", folder / "step_000000050.pt")
 
 
 def test_resume_mid_epoch_restores_the_random_generators(tmp_path):

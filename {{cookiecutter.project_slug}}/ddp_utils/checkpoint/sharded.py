@@ -2,17 +2,18 @@
 
 checkpoints/step_000000040/ holds one .distcp file per rank (its shards of the model and
 optimizer state), DCP's .metadata, and trainer.pt (epoch, step, random generators, config),
-written into .step_000000040.tmp/ and renamed when complete. `last` is a symbolic link to
-the newest one, replaced atomically.
+written into .step_000000040.<writer>.tmp/ (rank 0's files.WRITER: a stalled run whose folder
+was taken over never writes into, nor removes, the new owner's) and renamed when complete.
+`last` is a symbolic link to the newest one, replaced atomically.
 """
 
 import os
 import shutil
 from pathlib import Path
 
-from ..core.files import fenced, replace_folder
+from ..core.files import WRITER, fenced, remove_leftovers, replace_folder
 from ..core.logs import rank_zero_only, warn_main
-from ..distributed.store_waits import store_barrier
+from ..distributed.store_waits import share_from_main, store_barrier
 from ..errors import CheckpointError, FolderLost
 from .single_file import atomic_save, fsync_dir
 from .space import first_line, one_file_bytes, save_failure, sharded_bytes, tensor_bytes
@@ -64,12 +65,16 @@ def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, k
 
     checkpoint_dir = Path(checkpoint_dir)
     final = checkpoint_dir / f"step_{step:09d}"
-    tmp = checkpoint_dir / f".{final.name}.tmp"
     size, _ = sharded_bytes(
         tensor_bytes(sharded, once=False), ctx.world_size, one_file_bytes(tensor_bytes(trainer_state))
     )
-    error = _prepare_sharded(tmp, trainer_state, step, size, keep)
-    error = store_barrier(ctx, f"sharded_prepared_{final.name}", error, timeout_seconds)
+    error = _prepare_sharded(checkpoint_dir / f".{final.name}.{WRITER}.tmp", trainer_state, step, size, keep)
+    error, name = share_from_main(ctx, f"sharded_tmp_{final.name}", [error, f".{final.name}.{WRITER}.tmp"],
+                                  timeout_seconds)  # fmt: skip
+    tmp = checkpoint_dir / name  # rank 0's name, on every rank
+    # Every rank fenced before it writes a shard (its own read of the claim): each may have
+    # stalled apart, and all write or none (DCP's save is collective).
+    error = store_barrier(ctx, f"sharded_prepared_{final.name}", error or _fence_line(), timeout_seconds)
     if error:
         raise CheckpointError(error)
     future = failure = None
@@ -101,6 +106,14 @@ def _prepare_sharded(tmp, trainer_state, step, size, keep):
     return None
 
 
+def _fence_line():
+    try:
+        fenced()
+    except FolderLost as lost:
+        return str(lost)
+    return None
+
+
 @rank_zero_only
 def _abandon(tmp, final, failure, size, keep):
     """Remove the partial checkpoint `tmp`; returns the line that says why it failed."""
@@ -121,7 +134,7 @@ def _publish_sharded(tmp, final, keep, size):
         fenced()  # a folder taken over meanwhile: this run's shards are removed, nothing of the new owner's touched
         # The same step may be saved again (a run resumed from an older one).
         replace_folder(tmp, final)
-        link = final.parent / ".last.link"
+        link = final.parent / f".{WRITER}.last.link"  # this writer's (files.remove_leftovers)
         link.unlink(missing_ok=True)
         link.symlink_to(final.name)
         os.replace(link, final.parent / "last")
@@ -131,6 +144,11 @@ def _publish_sharded(tmp, final, keep, size):
         fenced()
         for old in others[: len(others) - max(keep - 1, 0)]:
             shutil.rmtree(old)
+        # Partial checkpoints of saves killed half-way, by earlier runs (each writer's own names).
+        for leftover in final.parent.glob(".step_*.tmp"):
+            if leftover.is_dir() and not leftover.name.endswith(f".{WRITER}.tmp"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        remove_leftovers(final.parent)
     except FolderLost as lost:
         shutil.rmtree(tmp, ignore_errors=True)
         return str(lost)

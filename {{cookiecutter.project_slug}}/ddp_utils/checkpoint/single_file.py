@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.files import fenced, remove_leftovers, write_atomically
+from ..core.files import WRITER, fenced, remove_leftovers, write_atomically
 from ..core.logs import rank_zero_only
 from ..distributed.store_waits import store_barrier
 from ..errors import CheckpointError, FolderLost
@@ -45,8 +45,11 @@ def _write_checkpoint(state, checkpoint_dir, step, keep):
             atomic_save(state, numbered)
             # last.pt is a second name for the same file: no second write, still atomic.
             _atomic_link(numbered, last, state)
+            # The newest `keep` stay, this one always: the folder may hold newer steps (a resume
+            # from another folder, a smaller --keep_checkpoints), which go before it does.
+            others = sorted(p for p in checkpoint_dir.glob("step_*.pt") if p != numbered)
             fenced()
-            for old in sorted(checkpoint_dir.glob("step_*.pt"))[:-keep]:
+            for old in others[: len(others) - (keep - 1)]:
                 old.unlink()
         remove_leftovers(checkpoint_dir)  # a save killed half-way, by this run or an earlier one
         fsync_dir(checkpoint_dir)
@@ -63,7 +66,7 @@ def atomic_save(state, path):
 
 
 def _atomic_link(target, path, state):
-    tmp = path.with_name(f".{path.name}.link")
+    tmp = path.with_name(f".{WRITER}.{path.name}.link")  # this writer's: never a stalled run's or a new owner's
     tmp.unlink(missing_ok=True)
     try:
         os.link(target, tmp)

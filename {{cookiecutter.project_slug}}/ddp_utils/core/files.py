@@ -11,15 +11,23 @@ from ..errors import FolderLost
 # In this process's temporary names: two runs that write the same file (one stalled, its folder
 # taken over meanwhile by the other) never write into one temporary file.
 WRITER = uuid.uuid4().hex[:8]
-_fence = None  # set by folder_claim while this process holds a run's output folder
+_fence = None  # set by folder_claim while this process writes into a run's output folder
+_lost = None  # and this: what it knows without reading the claim (every step, every log line)
 
 
-def fence(check):
+def fence(check, lost=None):
     """Guard every write into the output folder with `check()`: None while this process may
-    write there, else the line saying why not (folder_claim sets it while rank 0 holds the
-    folder, and clears it with None)."""
-    global _fence
-    _fence = check
+    write there, else the line saying why not (folder_claim sets it on every rank of a run
+    that holds the folder, and clears it with None). `lost()`: the same answer, as far as the
+    claim's heartbeat has seen it (cheap: asked every step and before each line of train.log)."""
+    global _fence, _lost
+    _fence, _lost = check, lost
+
+
+def folder_lost():
+    """The line that stops the run once its output folder is known to be another run's, else
+    None: what the claim's heartbeat last saw, no file read (but after a stall, folder_claim)."""
+    return _lost() if _lost is not None else None
 
 
 def fenced():
@@ -48,12 +56,14 @@ def write_atomically(path, write, mode="wb", **open_args):
 
 
 def remove_leftovers(folder):
-    """Remove the temporary files that other processes left in `folder` (killed mid-write). Only
-    while this process holds the folder (fenced): a stalled writer whose file goes never puts it
-    in place, as its fence stops it first."""
-    for leftover in Path(folder).glob(".*.tmp"):
-        if leftover.is_file() and not leftover.name.startswith(f".{WRITER}."):
-            leftover.unlink(missing_ok=True)
+    """Remove the temporary files and links (`last`'s next name) that other processes left in
+    `folder` (killed mid-write). Only while this process holds the folder (fenced): a stalled
+    writer whose file goes never puts it in place, as its fence stops it first."""
+    for pattern in (".*.tmp", ".*.link"):
+        for leftover in Path(folder).glob(pattern):
+            mine = leftover.name.startswith(f".{WRITER}.")
+            if not mine and (leftover.is_symlink() or leftover.is_file()):
+                leftover.unlink(missing_ok=True)
 
 
 def replace_folder(tmp, out):

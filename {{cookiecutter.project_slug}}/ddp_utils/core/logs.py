@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .files import folder_lost
+
 log = logging.getLogger("train")
 
 
@@ -54,7 +56,10 @@ def setup_logging(ctx, output_dir):
     handlers = [logging.StreamHandler(sys.stdout)]
     Path(output_dir).mkdir(parents=True, exist_ok=True)  # on every rank: a failure stops them all alike
     if ctx.is_main:
-        handlers.append(logging.FileHandler(Path(output_dir) / "train.log"))
+        train_log = logging.FileHandler(Path(output_dir) / "train.log")
+        # No line once the folder is another run's (folder_claim): train.log is the new owner's.
+        train_log.addFilter(lambda record: folder_lost() is None)
+        handlers.append(train_log)
     for handler in handlers:
         handler.setFormatter(formatter)
         log.addHandler(handler)
@@ -64,6 +69,9 @@ def setup_logging(ctx, output_dir):
 def stop_file_logging():
     """Log to the console only from now on (the output folder is no longer this run's)."""
     for handler in [h for h in log.handlers if isinstance(h, logging.FileHandler)]:
+        # Called from the claim's heartbeat thread too: a line being logged meanwhile is
+        # dropped (a closed FileHandler in mode "a" would open its file again to write it).
+        handler.addFilter(lambda record: False)
         log.removeHandler(handler)
         handler.close()
 

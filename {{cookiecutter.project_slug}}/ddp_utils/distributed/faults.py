@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.files import folder_lost
 from ..core.logs import log, report
 from ..errors import CheckpointError, OutOfMemory, Preempted, RankGone, TrainingError
 
@@ -180,8 +181,8 @@ def exit_now(code):
 
 class StepChecks:
     """What every optimizer step agrees on with the other ranks (a stop request, a non-finite
-    loss or gradients, fp16's loss scale) and what the agreement decides: stop, go on, or a
-    `TrainingError` that names the knob to turn.
+    loss or gradients, fp16's loss scale, the output folder taken over) and what the agreement
+    decides: stop, go on, or a `TrainingError` that names the knob to turn.
 
     Every decision that ends or skips work is agreed by one small all-reduce per step, so no
     rank stops alone while the others wait in the next all-reduce. It runs while the next step
@@ -221,16 +222,20 @@ class StepChecks:
         """The step's flags and values, for collectives.Agreement (which sums them over the ranks):
         `loss_sum` this rank's loss total, `norm` the gradients' (None when not measured),
         `scale` and `new_scale` fp16's loss scale before and after the step (tensors on the
-        device: compared there, read by the host only when the agreement is, a step later)."""
+        device: compared there, read by the host only when the agreement is, a step later);
+        last, whether rank 0 knows its folder claim lost (files.folder_lost: no file read)."""
         low_scale = skipped = False
         if self.fp16:
             low_scale, skipped = new_scale < self.cfg.min_loss_scale, new_scale < scale
-        return stop_requested, loss_sum, 0.0 if norm is None else norm, low_scale, skipped
+        lost = folder_lost() is not None
+        return stop_requested, loss_sum, 0.0 if norm is None else norm, low_scale, skipped, lost
 
     def decide(self, agreed, step, epoch):
         """Act on the agreed flags of optimizer step `step` (in 0-based `epoch`): raise for a
         failure, else return whether all ranks agreed to stop. Called once per step, in order."""
-        stops, loss_sum, norm, low_scales, skipped = agreed  # flags count the ranks that raised them
+        stops, loss_sum, norm, low_scales, skipped, lost = agreed  # flags count the ranks that raised them
+        if lost:  # the folder is another run's: stop before anything more is written there
+            raise TrainingError(folder_lost() or "the output folder was taken over by another run (rank 0 says which)")
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         too_many_skips = 0 < self.cfg.max_skipped_steps <= self.skipped_in_a_row
         loss_not_finite, grads_not_finite = not math.isfinite(loss_sum), not math.isfinite(norm)

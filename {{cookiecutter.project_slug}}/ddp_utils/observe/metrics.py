@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.files import fenced
+from ..core.files import fenced, write_atomically
 from ..core.logs import log, rank_zero_only, report
 from ..distributed.collectives import HostCopy
 from ..errors import FolderLost
@@ -278,16 +278,24 @@ class Reporter:
 
     @rank_zero_only
     def truncate(self, step):
-        """On resume, drop lines logged after the checkpoint: they are about to be redone."""
-        if self.metrics_path.exists():
-            kept = []
-            for line in self.metrics_path.read_text().splitlines(keepends=True):
-                try:
-                    if json.loads(line)["step"] <= step:
-                        kept.append(line)
-                except (ValueError, KeyError):  # a line cut short by a crash: drop it
-                    pass
-            self.metrics_path.write_text("".join(kept))
+        """As training starts from optimizer step `step` (0: afresh, a run killed before its first
+        checkpoint started again), drop the lines logged after it: they are about to be redone.
+        Written whole (a crash leaves the old file or the new one) and fenced; returns the line
+        that stops the run when the folder is another run's now, or None."""
+        if not self.metrics_path.exists():
+            return None
+        kept = []
+        for line in self.metrics_path.read_text().splitlines(keepends=True):
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError):  # a line cut short by a crash: drop it
+                pass
+        try:
+            write_atomically(self.metrics_path, lambda f: f.write("".join(kept)), "w")
+        except FolderLost as lost:
+            return str(lost)
+        return None
 
     @rank_zero_only
     def start_epoch(self, epoch, epochs, steps, done):

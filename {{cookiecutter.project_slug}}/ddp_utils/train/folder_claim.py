@@ -17,12 +17,16 @@ go of it when it ends. Another start into a claimed folder:
 
 A run whose claim was taken over (it stalled past STALE_SECONDS: a paused VM, a stopped
 process, a host cut off from the file system) writes nothing more there: the claim's token is
-the fence (files.fenced) that every write another run could lose checks first (a checkpoint
-and `last` published, pruning, metrics lines, the resolved config), and the run stops on every
-rank with one line naming the new owner.
+the fence (files.fenced) that every write another run could lose checks first, on every rank
+(a checkpoint, its shards and `last` published, pruning, metrics lines, the resolved config),
+and its temporary names carry the writer's token (files.WRITER): a stalled writer's never name
+the new owner's. Once the loss is seen (by the heartbeat within a beat, or by the first log
+line or step after a stall), train.log, the new owner's file now, gets no more lines and the
+run stops at its next optimizer step on every rank, with one line naming the new owner.
 docs/checkpoints.md (One run per folder) has the rules for each launcher.
 """
 
+import errno
 import json
 import os
 import socket
@@ -73,23 +77,29 @@ def claim_output_dir(ctx, output_dir, say):
             problem = str(refused)
         except OSError as error:
             problem = f"cannot claim --output_dir {output_dir}: {error}"
-    problem = share_from_main(ctx, "folder_claim", problem, wait_seconds + 60)
+    token = claim.owner["token"] if claim.owner else None
+    problem, token = share_from_main(ctx, "folder_claim", [problem, token], wait_seconds + 60)
     if problem:
         raise InputError(problem)
+    if not ctx.is_main and token:  # fenced too: its shards never land in a folder taken over
+        claim = Claim(Path(output_dir) / CLAIM_FILE, {"token": token}, holder=False)
     return claim
 
 
 class Claim:
-    """Rank 0's hold on the folder: renewed by a daemon thread, let go by `release`."""
+    """Rank 0's hold on the folder (the `holder`): renewed by a daemon thread, let go by
+    `release`. On the other ranks, the same claim's token, read back by their fence."""
 
-    def __init__(self, path, owner, note=None):
-        self.path, self.owner, self.note = path, owner, note
+    def __init__(self, path, owner, note=None, holder=True):
+        self.path, self.owner, self.note, self.holder = path, owner, note, holder
         self.lost = None  # who took the claim over while this run was stalled (describe), once seen
+        self.confirmed = time.monotonic()  # when the claim was last read back as this run's
         self._stop = threading.Event()
         if path is not None:
-            fence(self.check)
-            at_exit_now(self.release)  # a run that stops at once (out of memory) lets go of the folder too
-            threading.Thread(target=self._beat, name="folder-claim", daemon=True).start()
+            fence(self.check, self.lost_line if holder else None)
+            if holder:
+                at_exit_now(self.release)  # a run that stops at once (out of memory) lets go of the folder too
+                threading.Thread(target=self._beat, name="folder-claim", daemon=True).start()
 
     @classmethod
     def take(cls, folder, job, wait_seconds, say):
@@ -109,6 +119,9 @@ class Claim:
                 if _set_aside(path, owner):
                     note = f"took over {folder} from {describe(owner)}: {gone}"
                 continue
+            if owner.get("written") is False:  # another start is writing its claim this moment
+                time.sleep(0.1)
+                continue
             if job is not None and owner.get("job") == job and time.monotonic() < deadline:
                 if not waiting:
                     say(f"waiting up to {wait_seconds} s for the earlier start of this job ({describe(owner)}) "
@@ -124,33 +137,49 @@ class Claim:
     def _beat(self):
         while not self._stop.wait(BEAT_SECONDS):
             try:
-                if self._taken_over():  # the next fenced write stops the run
+                if self._taken_over():  # the run stops at its next step (files.folder_lost)
                     return
                 os.utime(self.path)
             except OSError:  # a file system hiccup: the next beat tries again
                 continue
 
     def _taken_over(self):
-        """Whether another run holds the claim now (read from the file: one small read)."""
+        """Whether another run holds the claim now (read from the file: one small read). Once
+        seen, train.log, the new owner's file now, gets no more lines from this run."""
         if self.lost is None:
             holder = read_claim(self.path)
             if holder is None or holder.get("token") != self.owner["token"]:
                 self.lost = describe(holder) if holder else "another run (the claim is gone)"
+                if self.holder:
+                    stop_file_logging()
+            else:
+                self.confirmed = time.monotonic()
         return self.lost is not None
+
+    def _line(self):
+        return (
+            f"this run no longer owns --output_dir {self.path.parent}: it was taken over by {self.lost} while this "
+            f"run was stalled (its claim not renewed for over {STALE_SECONDS} s); stopped without writing there again"
+        )
 
     def check(self):
         """The fence (files.fenced): None while the claim is this run's, else the line that
-        stops the run. From then on train.log, the new owner's file now, gets no more lines."""
+        stops the run."""
         try:
             if not self._taken_over():
                 return None
         except OSError:  # unreadable for a moment: the write itself says what is wrong
             return None
-        stop_file_logging()
-        return (
-            f"this run no longer owns --output_dir {self.path.parent}: it was taken over by {self.lost} while this "
-            f"run was stalled (its claim not renewed for over {STALE_SECONDS} s); stopped without writing there again"
-        )
+        return self._line()
+
+    def lost_line(self):
+        """files.folder_lost, asked every step and before each line of train.log: what the
+        heartbeat saw, without a read; but when it has not seen the claim as this run's for two
+        beats (this process was stalled: stopped, paused, swapped out, and its heartbeat with
+        it), read now: a run that wakes writes no line and takes no step before it knows."""
+        if self.lost is None and time.monotonic() - self.confirmed > 2 * BEAT_SECONDS:
+            return self.check()
+        return None if self.lost is None else self._line()
 
     def release(self):
         """Let go of the folder (the run has ended); the claim of a run that took it over stays."""
@@ -158,6 +187,8 @@ class Claim:
             return
         self._stop.set()
         fence(None)
+        if not self.holder:
+            return
         not_at_exit_now(self.release)
         try:
             holder = read_claim(self.path)
@@ -184,18 +215,41 @@ def describe(owner):
     return f"host {owner.get('host')}, pid {owner.get('pid')}, started {owner.get('started')}{job}"
 
 
+NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+
+
 def _create(path, me):
     """Write `me` as the claim if there is none: a complete file linked to its name, which fails
-    when the name exists (atomic on local and network file systems alike)."""
+    when the name exists (atomic on local and network file systems alike). On NFS the reply to a
+    link that succeeded can be lost and the retry answer EEXIST: the claim is then read back,
+    ours if it holds our token. A file system without hard links gets the file created only if
+    absent (O_EXCL) and written: a reader may see it empty for a moment (read_claim)."""
     tmp = path.with_name(f".owner.{me['token']}.tmp")
-    tmp.write_text(json.dumps(me) + "\n")
+    text = json.dumps(me) + "\n"
+    tmp.write_text(text)
     try:
         os.link(tmp, path)
         return True
     except FileExistsError:
-        return False
+        return (read_claim(path) or {}).get("token") == me["token"]
+    except OSError as error:
+        if error.errno not in NO_HARD_LINKS:
+            raise
+        return _create_exclusive(path, text)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _create_exclusive(path, text):
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    return True
 
 
 def read_claim(path):
@@ -205,6 +259,8 @@ def read_claim(path):
         text = path.read_text()
     except FileNotFoundError:
         return None
+    if not text:  # created, not yet written (a file system without hard links: _create_exclusive)
+        return {"token": "being written", "written": False}
     try:
         owner = json.loads(text)
     except ValueError:
@@ -229,6 +285,9 @@ def _set_aside(path, owner):
 
 def why_gone(owner, path):
     """Why the owner of the claim at `path` is gone, or None while it lives."""
+    if owner.get("written") is False:  # empty: being written, unless it stays so past the staleness
+        age = claim_age(path)
+        return None if age is None or age < STALE_SECONDS else "its claim file is empty"
     if "pid" not in owner:
         return "its claim file is damaged"
     if owner.get("machine") == machine_identity():

@@ -136,12 +136,15 @@ class Trainer:
     def resume(self):
         """Continue from the checkpoint --resume names (the Checkpointer chooses and loads it)."""
         state, path = self.checkpointer.load()
+        if state is not None:
+            self.load_state_dict(state, path)
+            self.checkpointer.restore_rank(state, self.loss_totals)
+        # metrics.jsonl's lines after this step are redone: those of a run that stopped after its
+        # last checkpoint, or before its first (a fresh start keeps none).
+        agree(self.ctx, "metrics_truncated", self.reporter.truncate(self.step), self.cfg.timeout_seconds)
         if state is None:  # a fresh start: from the task's pretrained weights, if any (--init_from)
             load_full_weights(self.strategy.module, self.task.pretrained_weights(self.cfg))
             return
-        self.load_state_dict(state, path)
-        self.checkpointer.restore_rank(state, self.loss_totals)
-        self.reporter.truncate(self.step)
         self.resumed = True
         report("resumed from %s: epoch %d, step %d", path, self.epoch + 1, self.step)
 
