@@ -278,9 +278,13 @@ def slow_second_save():
 
 def out_of_memory():
     """Raise torch's own OutOfMemoryError on rank $OOM_RANK in optimizer step $OOM_STEP (the
-    first of the run when 0), in phase $OOM_PHASE: forward, backward, optimizer (its step),
-    evaluation (the metrics line after that step) or compile (the first call of what
-    torch.compile returned). Prints each training call of the phase as it passes."""
+    first of the run when 0), in phase $OOM_PHASE: batch (its move to the device), forward,
+    backward, clipping (the gradients' unscaling and clipping), optimizer (its step), evaluation
+    (the metrics line after that step), checkpoint (the save after it: inside the strategy's,
+    where its gathers are), sampling (--sample_every_steps after it: the task's sample_text, or
+    where it has none one that all-reduces, as a forward under fsdp all-gathers) or compile
+    (the first call of what torch.compile returned). Prints each training call of the phase as
+    it passes."""
     phase, rank, at_step = os.environ["OOM_PHASE"], int(os.environ["OOM_RANK"]), int(os.environ["OOM_STEP"])
     steps = []  # optimizer steps done on this rank
 
@@ -336,6 +340,44 @@ def out_of_memory():
         return optimizer
 
     trainer.build_optimizer = build_optimizer
+    move = trainer.to_device
+
+    def to_device(*args, **kwargs):
+        fail("batch")
+        return move(*args, **kwargs)
+
+    trainer.to_device = to_device
+    original_strategy = trainer.build_strategy
+
+    def build_strategy(*args, **kwargs):
+        built = original_strategy(*args, **kwargs)
+        clip, save = built.clip_gradients, built.save
+
+        def failing_clip(*clip_args, **clip_kwargs):
+            fail("clipping")  # before the norm's all-reduce under fsdp: the peers are in it
+            return clip(*clip_args, **clip_kwargs)
+
+        def failing_save(*save_args, **save_kwargs):
+            if len(steps) + 1 > at_step:
+                fail("checkpoint")
+            return save(*save_args, **save_kwargs)
+
+        built.clip_gradients, built.save = failing_clip, failing_save
+        return built
+
+    trainer.build_strategy = build_strategy
+    if phase == "sampling":
+        original_sample = task.TASK.sample_text
+
+        def sample_text(model, cfg, data):
+            if len(steps) + 1 > at_step:
+                fail("sampling")
+            if original_sample is None:
+                torch.distributed.all_reduce(torch.zeros(1))
+                return "no text"
+            return original_sample(model, cfg, data)
+
+        change_task(sample_text=sample_text)
     if phase == "compile":
 
         def compile(model, *args, **kwargs):

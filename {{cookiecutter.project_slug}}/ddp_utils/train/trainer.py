@@ -154,7 +154,9 @@ class Trainer:
         all ranks stop, the run ends here with Preempted, its checkpoint complete."""
         started = time.perf_counter()
         stopping = self.read_agreement() or stopping
-        self.checkpointer.save(self.state_dict(), self.loss_totals, stopping=stopping)
+        # Its gathers (ddp: rank 0's whole state; fsdp: DCP's staging) may run out of memory.
+        with self.memory.during("checkpoint", self.step):
+            self.checkpointer.save(self.state_dict(), self.loss_totals, stopping=stopping)
         if not stopping:
             self.collector.collect()  # where the run waits anyway: its time counts as the checkpoint's
         self.meter.saved_checkpoint(time.perf_counter() - started)
@@ -218,7 +220,8 @@ class Trainer:
                     self.checkpoint(stopping=True)
                 lr = self.lrs.get("lr", self.lrs.get("muon_lr"))
                 self.meter.step_done(self.step, self.samples_seen, loss, self.last_norm, self.last_scale, lr)
-                self.samples.at_step(self.step)  # --sample_every_steps
+                with self.memory.during("text sampling (--sample_every_steps)", self.step):
+                    self.samples.at_step(self.step)
                 self._evaluate_or_save()
                 if cfg.max_steps and self.step >= cfg.max_steps:
                     break
@@ -239,7 +242,8 @@ class Trainer:
     def train_step(self, batch, sync):
         """Forward and backward of one micro-batch; returns its loss (detached). Gradients are
         all-reduced only when `sync` (the last micro-step of an optimizer step)."""
-        batch = to_device(batch, self.ctx.device)
+        with self.memory.during("batch's move to the device", self.step + 1):
+            batch = to_device(batch, self.ctx.device)
         with self.strategy.sync_gradients(sync):
             with self.memory.during("forward", self.step + 1), autocast(self.ctx.device, self.amp_dtype):
                 # DDP's long error about unused parameters, as the knob that fixes it.
@@ -262,12 +266,13 @@ class Trainer:
         norm = None
         # A log step reports the norm.
         if cfg.max_grad_norm > 0 or fp16 or self.meter.log_due(self.step + 1):
-            # The true gradients: to clip, and to see an fp16 overflow.
-            self.scaler.unscale_(self.optimizer)
-            parameters = [p for p in self.parameters if p.grad is not None]
-            # With clipping off, an infinite limit leaves the gradients as they are and still
-            # measures their global norm (over every shard under FSDP).
-            norm = self.strategy.clip_gradients(parameters, cfg.max_grad_norm or math.inf)
+            with self.memory.during("gradient clipping", self.step + 1):
+                # The true gradients: to clip, and to see an fp16 overflow.
+                self.scaler.unscale_(self.optimizer)
+                parameters = [p for p in self.parameters if p.grad is not None]
+                # With clipping off, an infinite limit leaves the gradients as they are and still
+                # measures their global norm (over every shard under FSDP).
+                norm = self.strategy.clip_gradients(parameters, cfg.max_grad_norm or math.inf)
         self.samples_seen += self.global_batch
         for group in self.optimizer.param_groups:  # AdamW's at --lr, Muon's at --muon_lr
             group["lr"] = lr_at(self.samples_seen, cfg, self.plan, peak_lr(group, cfg))
