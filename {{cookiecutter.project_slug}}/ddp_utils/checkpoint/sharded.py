@@ -68,10 +68,10 @@ def save_sharded_checkpoint(ctx, sharded, trainer_state, checkpoint_dir, step, k
     size, _ = sharded_bytes(
         tensor_bytes(sharded, once=False), ctx.world_size, one_file_bytes(tensor_bytes(trainer_state))
     )
-    error = _prepare_sharded(checkpoint_dir / f".{final.name}.{WRITER}.tmp", trainer_state, step, size, keep)
-    error, name = share_from_main(ctx, f"sharded_tmp_{final.name}", [error, f".{final.name}.{WRITER}.tmp"],
-                                  timeout_seconds)  # fmt: skip
-    tmp = checkpoint_dir / name  # rank 0's name, on every rank
+    name = f".{final.name}.{WRITER}.tmp"  # rank 0's writer, the name on every rank
+    error = _prepare_sharded(checkpoint_dir / name, trainer_state, step, size, keep)
+    error, name = share_from_main(ctx, f"sharded_tmp_{final.name}", [error, name], timeout_seconds)
+    tmp = checkpoint_dir / name
     # Every rank fenced before it writes a shard (its own read of the claim): each may have
     # stalled apart, and all write or none (DCP's save is collective).
     error = store_barrier(ctx, f"sharded_prepared_{final.name}", error or _fence_line(), timeout_seconds)
