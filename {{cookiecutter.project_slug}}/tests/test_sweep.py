@@ -1,6 +1,7 @@
 """Sweeps (sweep.py, ddp_utils/sweep*.py): a study of short training runs from several workers
-on one storage, one worker killed mid-trial, every trial ended with its reason, the results
-written; bad sweep files in one line. Needs the sweep extra (Optuna, matplotlib)."""
+on one storage, one worker stopped for a while and one killed mid-trial, every trial ended with
+its reason, the results written and the best rerun by its own line; workers with one pid; bad
+sweep files in one line. Needs the sweep extra (Optuna, matplotlib)."""
 
 import csv
 import dataclasses
@@ -8,22 +9,26 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import LR, PROJECT, TINY_CONFIG, read_metrics, run_training, saved_step, training_env
+from conftest import LR, PROJECT, TINY_CONFIG, kill_tree, read_metrics, run_training, saved_step, training_env
 
 from config import Config
 from ddp_utils.configuration import toml_value
+from ddp_utils.sweep.file import read_sweep
+from ddp_utils.sweep.results import write_file
+from ddp_utils.sweep.run import load_study, open_storage, suggest
 from ddp_utils.sweep.run import main as sweep_main
 from task import TASK
 
 pytest.importorskip("optuna", reason='sweeps need the sweep extra: pip install -e ".[sweep]"')
 pytestmark = pytest.mark.fixed_amp
 
-# Each trial's steps, evaluated every EVAL_EVERY: the second worker is killed at its first trial's
-# first evaluation, 90 steps before that trial would end.
+# Each trial's steps, evaluated every EVAL_EVERY: the second worker is killed (or stopped) at its
+# first trial's first evaluation, 90 steps before that trial would end.
 STEPS, EVAL_EVERY = 100, 10
 # The TINY runs' flags (the task's own tiny sizes and data), as a sweep's [flags] table.
 SKIP = {"output_dir", "max_steps", "epochs", "lr"}
@@ -45,8 +50,8 @@ DIVERGES = 1e30
 GRID = [LR, LR / 2, *HOPELESS, DIVERGES]
 
 
-def sweep_file(path, folder, knobs, trials=None, metric="val_loss", **extra):
-    lines = ["[sweep]", f'folder = "{folder}"', f"steps = {STEPS}", f'metric = "{metric}"', "heartbeat_seconds = 2"]
+def sweep_file(path, folder, knobs, trials=None, metric="val_loss", steps=STEPS, **extra):
+    lines = ["[sweep]", f'folder = "{folder}"', f"steps = {steps}", f'metric = "{metric}"', "heartbeat_seconds = 2"]
     lines += ["startup_trials = 1"] + ([f"trials = {trials}"] if trials else [])
     lines += [f"{key} = {toml_value(value)}" for key, value in extra.items()]
     lines += ["", "[knobs]", *(knob_line(*knob) for knob in knobs), "", "[flags]"]
@@ -60,9 +65,40 @@ def knob_line(name, kind, values):
     return f"{name} = " + "{ " + f"{kind} = [{', '.join(map(toml_value, values))}]" + " }"
 
 
-def start_worker(path, log):
-    return subprocess.Popen([sys.executable, "sweep.py", str(path)], cwd=PROJECT, env=training_env(),
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)  # fmt: skip
+# sweep.py on a host whose clock is an hour behind this one's (its trials' runs on the true clock).
+CLOCK_BEHIND = (
+    "import runpy, sys, time; true_time = time.time; time.time = lambda: true_time() - 3600; "
+    "sys.argv = ['sweep.py', *sys.argv[1:]]; runpy.run_path('sweep.py', run_name='__main__')"
+)
+
+
+def start_worker(path, log, clock_behind=False):
+    command = [sys.executable, *(["-c", CLOCK_BEHIND] if clock_behind else ["sweep.py"]), str(path)]
+    return subprocess.Popen(command, cwd=PROJECT, env=training_env(), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def wait_for_line(log, text, worker, seconds):
+    """The first line of `log` holding `text`; fails when `worker` ends first, or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = [line for line in log.read_text().splitlines() if text in line]
+        if found:
+            return found[0]
+        assert worker.poll() is None, f"the worker ended ({worker.returncode}):\n{log.read_text()}"
+        time.sleep(0.2)
+    raise AssertionError(f"no line with {text!r} in {log}:\n{log.read_text()}")
+
+
+def trial_training(folder, worker, skip=None):
+    """(a trial's folder, its processes) while `worker` trains it past its first evaluation, or
+    (None, set()); not the folder `skip`."""
+    for trial_dir in (folder / "trials").glob("trial_*") if (folder / "trials").exists() else []:
+        mine = [p for p in processes_of(trial_dir) if os.getppid() != p]
+        metrics = trial_dir / "metrics.jsonl"
+        if trial_dir != skip and metrics.exists() and mine and any(worker.pid == ppid(p) for p in mine):
+            return trial_dir, set(mine)
+    return None, set()
 
 
 def processes_of(folder):
@@ -97,11 +133,7 @@ def swept(tmp_path_factory):
         deadline = time.monotonic() + 120
         killed_dir, killed = None, set()
         while killed_dir is None and time.monotonic() < deadline:
-            for trial_dir in (folder / "trials").glob("trial_*") if (folder / "trials").exists() else []:
-                mine = [p for p in processes_of(trial_dir) if os.getppid() != p]
-                metrics = trial_dir / "metrics.jsonl"
-                if metrics.exists() and mine and any(second.pid == ppid(p) for p in mine):
-                    killed_dir, killed = trial_dir, set(mine)
+            killed_dir, killed = trial_training(folder, second)
             time.sleep(0.2)
         assert killed_dir is not None, (tmp / "second.log").read_text()
         second.send_signal(signal.SIGKILL)
@@ -160,13 +192,81 @@ def test_every_trial_ends_with_its_reason_and_none_is_lost(swept):
     )
 
 
+# The stopped worker's trial: long enough that its run trains on well past three heartbeats.
+STALLED_STEPS = 400
+
+
+@pytest.fixture(scope="module")
+def stalled(tmp_path_factory):
+    """A sweep of one trial from 2 workers, the one that runs it on a clock an hour behind the
+    other's (as on another host): stopped (SIGSTOP, as Ctrl-Z does) past its trial's first
+    evaluation, its run training on, until the other worker has failed that trial, then woken
+    (SIGCONT). Returns (folder, the trial's folder, the last step its run had written when the
+    trial was failed, the line the worker printed once woken, its pid)."""
+    tmp = tmp_path_factory.mktemp("stalled")
+    folder = tmp / "sweep"
+    path = sweep_file(tmp / "lr.toml", folder, [("lr", "choices", [LR])], trials=1, steps=STALLED_STEPS)
+    second = start_worker(path, tmp / "second.log", clock_behind=True)
+    first = None
+    try:
+        wait_for_line(tmp / "second.log", "sweep.py: trial 0", second, 120)  # the trial is the second's
+        first = start_worker(path, tmp / "first.log")
+        deadline = time.monotonic() + 120
+        stalled_dir = None
+        while stalled_dir is None and time.monotonic() < deadline:
+            stalled_dir, _ = trial_training(folder, second)
+            time.sleep(0.2)
+        assert stalled_dir is not None, (tmp / "second.log").read_text()
+        second.send_signal(signal.SIGSTOP)
+        wait_for_line(tmp / "first.log", f"pid {second.pid}) stopped: no heartbeat", first, 300)
+        stalled_steps = read_metrics(stalled_dir)[-1]["step"]
+        second.send_signal(signal.SIGCONT)
+        woken = wait_for_line(tmp / "second.log", "was failed by another worker", second, 120)
+        for worker, log in ((first, "first.log"), (second, "second.log")):
+            assert worker.wait(timeout=300) == 0, (tmp / log).read_text()
+    finally:
+        for worker in (first, second):
+            if worker is not None and worker.poll() is None:
+                worker.send_signal(signal.SIGCONT)
+                worker.kill()
+    return folder, stalled_dir, stalled_steps, woken, second.pid
+
+
+def test_a_stopped_worker_keeps_its_trials_result_and_goes_on(stalled):
+    """A worker stopped for over three heartbeats (Ctrl-Z, a slow journal) while its run trains
+    on: its trial is failed only once the run has ended at its last step, and run again in its
+    folder, which resumes there: the values the run wrote are the trial's result. Woken, the
+    worker says so in one line and goes on with the sweep to its end. Its clock, an hour behind
+    the other's, is never compared: its trial was not failed while it beat."""
+    folder, stalled_dir, stalled_steps, woken, pid = stalled
+    rows = read_rows(folder)
+    assert stalled_steps == STALLED_STEPS, "the stopped worker's trial was failed while its run trained"
+    failed, retry = rows
+    assert failed["state"] == "fail" and Path(failed["output_dir"]) == stalled_dir, rows
+    assert "no heartbeat" in failed["reason"] and f"pid {pid})" in failed["reason"], failed
+    assert f"trial {failed['trial']} was failed by another worker" in woken, woken
+    assert retry["retry_of"] == failed["trial"] and Path(retry["output_dir"]) == stalled_dir, retry
+    written = {line["step"]: line["val_loss"] for line in read_metrics(stalled_dir) if "val_loss" in line}
+    assert retry["state"] == "complete" and float(retry["val_loss"]) == written[STALLED_STEPS], (retry, written)
+
+
 def test_the_best_config_reproduces_its_trial_and_the_pictures_are_written(swept, tmp_path):
     folder, path, _ = swept
     rows = read_rows(folder)
     best = min((r for r in rows if r["state"] == "complete"), key=lambda r: float(r["val_loss"]))
-    again = tmp_path / "again"
-    run_training(again, "--config", folder / "best_config.toml", tiny=False)
-    assert read_metrics(again)[-1]["val_loss"] == float(best["val_loss"])  # same seed, same processes: to the bit
+    # Its own rerun line, as a user runs it: the trial's processes (launch.sh's default is the
+    # project's gpus_per_node), the same seed: to the bit. It trains into the sweep's best/.
+    (line,) = [line for line in (folder / "best_config.toml").read_text().splitlines() if "Rerun it with: " in line]
+    command = line.split("Rerun it with: ", 1)[1]
+    rerun = subprocess.Popen(["bash", "-c", command], cwd=PROJECT, env=training_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        output = rerun.communicate(timeout=300)[0]
+    finally:
+        kill_tree(rerun.pid)
+    assert rerun.returncode == 0, output
+    again = folder / "best"
+    assert read_metrics(again)[-1]["val_loss"] == float(best["val_loss"]), output
     # The dead worker's trial, resumed in its folder by the other worker, equals the same trial
     # run alone, at every evaluation both made.
     (dead,) = [r for r in rows if "no heartbeat" in r["reason"]]
@@ -218,6 +318,61 @@ def test_bad_sweep_files_are_one_line(tmp_path, capsys, knob, extra, message):
     assert sweep_main(TASK, [str(path)], root=PROJECT) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: {path}") and message in line, line
+
+
+def test_a_storage_urls_password_is_never_printed(tmp_path, capsys):
+    """Error lines land in SLURM's output files, which others on a shared cluster often read: the
+    storage URL is shown with its password masked, in the line and in the driver's own words."""
+    url = "postgresql://sweeper:s3cret%2Fpw@localhost:1/sweeps"
+    path = sweep_file(tmp_path / "db.toml", tmp_path / "s", [("lr", "log_uniform", [1e-4, 1e-2])], trials=2,
+                      storage=url)  # fmt: skip
+    assert sweep_main(TASK, [str(path)], root=PROJECT) == 2
+    err = capsys.readouterr().err
+    (line,) = err.strip().splitlines()
+    assert "s3cret" not in err and "sweep.storage postgresql://sweeper:***@localhost:1/sweeps: cannot open it" in line
+    from ddp_utils.sweep.run import masked
+
+    quoted = masked(f"cannot parse {url}, nor postgresql://sweeper:s3cret/pw@localhost:1/sweeps", url)
+    assert "s3cret" not in quoted and quoted.count("sweeper:***@localhost") == 2, quoted
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_workers_with_one_pid_draw_their_own_parameters(tmp_path, sampler):
+    """Workers in containers often have one pid (1 in each). Two workers' samplers, made in this
+    process, whose pid they share for real: one seed in the file, yet their first draws differ."""
+    path = sweep_file(tmp_path / "s.toml", tmp_path / "s", [("lr", "log_uniform", [1e-5, 1e-1])], trials=4,
+                      sampler=sampler)  # fmt: skip
+    sweep = read_sweep(path, Config)
+    storage, _ = open_storage(sweep)
+    first, second = (suggest(load_study(sweep, storage).ask(), sweep.knobs) for _ in range(2))
+    assert first != second
+
+
+def test_workers_with_one_pid_write_the_results_whole(tmp_path):
+    """Two writers of one pid (threads of this process) write a results file at once, again and
+    again: neither fails, and a reader always finds one of them whole."""
+    path = tmp_path / "trials.csv"
+    payloads = [letter * 2**19 for letter in (b"a", b"b")]
+    write_file(path, payloads[0])
+    problems = []
+
+    def write(data):
+        try:
+            for _ in range(100):
+                write_file(path, data)
+        except OSError as error:
+            problems.append(repr(error))
+
+    writers = [threading.Thread(target=write, args=(data,)) for data in payloads]
+    for writer in writers:
+        writer.start()
+    while any(writer.is_alive() for writer in writers):
+        if path.read_bytes() not in payloads:
+            problems.append("a file not whole")
+    for writer in writers:
+        writer.join()
+    assert not problems, problems[:3]
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("path", sorted((PROJECT / "experiments").glob("sweep_*.toml")), ids=lambda p: p.name)

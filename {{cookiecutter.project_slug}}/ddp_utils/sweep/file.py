@@ -46,12 +46,12 @@ SWEEP_KEYS = {
     "config": str,
     "processes": int,
     "storage": str,  # "" = a journal file in the folder; or an RDB URL (sqlite:///x.db, postgresql://...)
-    "seed": int,  # the sampler's seed (each worker adds its own number to it, but a grid's order)
+    "seed": int,  # the sampler's seed (each worker adds a random number of its own, but a grid's order)
     "sampler": str,  # tpe or random (a grid of every knob uses Optuna's grid sampler)
     "pruner": str,  # median or none
     "startup_trials": int,  # trials completed before the pruner judges any
     "prune_after_steps": int,  # steps a trial trains before it can be pruned
-    "heartbeat_seconds": int,  # a worker silent for 3 of these is dead: its trial is retried
+    "heartbeat_seconds": int,  # a worker silent for 3 of these is dead: its trial is retried (its run ended)
     "retries": int,  # how often a trial whose worker died is run again (resuming its checkpoint)
 }
 FIELDS_OF_SWEEP = {"[sweep]", "[knobs]", "[flags]"}

@@ -7,6 +7,8 @@ import csv
 import io
 import json
 import os
+import shlex
+import uuid
 from pathlib import Path
 
 try:
@@ -21,9 +23,9 @@ BEST_CURVES = 5  # trials drawn in best_curves.png
 
 
 def write_file(path, data):
-    """`path` written whole, through a temporary file of this process's own: several workers
-    may write the results at once."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """`path` written whole, through a temporary file of this write's own: several workers may
+    write the results at once (a random name: workers in containers often share one pid)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)
@@ -68,7 +70,7 @@ def write_results(sweep, study):
     print(format_table(rows, exclude=("output_dir",)))
     best = best_trial(sweep, study)
     if best is not None:
-        write_best_config(best, folder)
+        write_best_config(best, sweep)
         print(f"sweep.py: best trial {best.number}: {sweep.metric} {best.value:.6g}; "
               f"its config: {folder / 'best_config.toml'}")  # fmt: skip
     try:
@@ -105,15 +107,19 @@ def format_table(rows, exclude=()):
     return "\n".join(line.rstrip() for line in lines)
 
 
-def write_best_config(best, folder):
+def write_best_config(best, sweep):
     """best_config.toml: the best trial's own resolved config (its config.toml), with an output
-    folder of its own, so `train.py --config best_config.toml` reruns it."""
+    folder of its own, and the line that reruns it: with the trial's number of processes (its
+    global batch), not launch.sh's default."""
+    folder = sweep.folder
     source = Path(best.user_attrs["output_dir"]) / "config.toml"
     values = tomllib.loads(source.read_text())
     values["output_dir"] = str(folder / "best")
+    processes = best.user_attrs.get("processes", sweep.processes)
     lines = [
         f"# The best trial of the sweep (trial {best.number}, value {best.value!r}): its whole config.",
-        f"# Rerun it with: scripts/launch.sh --config {folder / 'best_config.toml'}",
+        f"# Rerun it with: NNODES=1 NPROC_PER_NODE={processes} scripts/launch.sh "
+        f"--config {shlex.quote(str(folder / 'best_config.toml'))}",
     ]
     lines += [f"{name} = {toml_value(value)}" for name, value in values.items()]
     write_file(folder / "best_config.toml", ("\n".join(lines) + "\n").encode())

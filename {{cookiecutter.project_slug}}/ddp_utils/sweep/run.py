@@ -9,18 +9,22 @@ the sweep's folder, or an RDB URL): several on one machine, a SLURM job array, o
 another. Each trial is a training run through scripts/launch.sh in a folder of its own; its
 evaluation lines reach Optuna's pruner as they are written, and a pruned trial is stopped with
 the stop signal of a preemption, its checkpoint and metrics kept. A worker beats every
-heartbeat_seconds in its trial's record; a trial whose worker stopped beating is marked failed
-by another worker and run again from its checkpoint (the same folder). The same command
-started again continues the study. docs/sweeps.md has the file's keys and an example.
+heartbeat_seconds in its trial's record; a trial whose worker stopped beating, and whose run has
+let go of its folder, is marked failed by another worker and run again from its checkpoint (the
+same folder). The same command started again continues the study. docs/sweeps.md has the
+file's keys and an example.
 """
 
 import os
+import re
+import secrets
 import signal
 import socket
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from urllib.parse import unquote
 
 from ..core.logs import print_error
 from ..errors import InputError
@@ -31,8 +35,10 @@ from .trial import (
     failure_reason,
     is_finite,
     reported_metrics,
+    run_holds_folder,
     start_trial,
     stop,
+    trial_job,
     wait_for,
 )
 
@@ -60,7 +66,9 @@ def open_storage(sweep):
             storage = optuna.storages.RDBStorage(url)
         except Exception as error:  # the driver's own errors: a host not found, a refused login
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise InputError(f"{sweep.path}: sweep.storage {url}: cannot open it: {first}") from None
+            raise InputError(
+                f"{sweep.path}: sweep.storage {masked(url, url)}: cannot open it: {masked(first, url)}"
+            ) from None
         return storage, nullcontext
     journal = Path(url) if url else sweep.journal
     try:
@@ -84,10 +92,21 @@ def open_storage(sweep):
     return storage, Asking
 
 
+def masked(text, url):
+    """`text` with the password of the storage URL `url` shown as *** wherever its `:password@`
+    appears: error lines land in SLURM's output files, which others on a shared cluster often read."""
+    netloc = re.split(r"[/?#]", url.partition("://")[2], maxsplit=1)[0]
+    password = netloc.rpartition("@")[0].partition(":")[2]
+    for secret in filter(None, {password, unquote(password)}):  # as written, and as a driver decodes it
+        text = text.replace(f":{secret}@", ":***@")
+    return text
+
+
 def load_study(sweep, storage):
     optuna = import_optuna()
-    # Workers started with one seed would draw the same parameters: each adds its process id.
-    seed = sweep.seed + os.getpid()
+    # Workers started with one seed would draw the same parameters: each adds a random number of
+    # its own (not its process id, which workers in containers often share: 1).
+    seed = (sweep.seed + secrets.randbits(32)) % 2**32
     if sweep.grid:
         sampler = optuna.samplers.GridSampler(sweep.grid, seed=sweep.seed)  # one order for every worker
     elif sweep.sampler == "random":
@@ -145,6 +164,9 @@ class Worker:
         self.sweep, self.study, self.asking, self.root = sweep, study, asking, root
         self.name = f"{socket.gethostname()} pid {os.getpid()}"
         self.signal = None
+        self.beats = 0  # this worker's heartbeats: a count, never a time (the hosts' clocks differ)
+        self.seen = {}  # each running trial of the others: (its beat, this worker's clock when first seen)
+        self.trial = self.process = None  # the trial this worker runs, and its run
 
     def request_stop(self, signum, frame):
         self.signal = signum
@@ -167,16 +189,34 @@ class Worker:
             self.run_trial(trial)
         return 128 + self.signal
 
+    def beat(self, trial):
+        self.beats += 1
+        trial.set_user_attr("beat", self.beats)
+
     def reap(self):
-        """Retry the trials whose worker stopped beating (killed, or its machine lost)."""
-        now, patience = time.time(), MISSED_BEATS * self.sweep.heartbeat_seconds
+        """Retry the trials whose worker stopped beating (killed, its machine lost) and whose run
+        has let go of its folder. A trial's beat is watched on this worker's own clock: unchanged
+        for MISSED_BEATS heartbeats, its worker is silent; no two hosts' clocks are compared."""
+        now, patience = time.monotonic(), MISSED_BEATS * self.sweep.heartbeat_seconds
+        seen = {}
         for t in self.study.get_trials(deepcopy=False):
-            if t.state.name != "RUNNING":
+            if t.state.name != "RUNNING" or (self.trial is not None and t._trial_id == self.trial._trial_id):
                 continue
-            beat = t.user_attrs.get("heartbeat") or t.datetime_start.timestamp()
-            if now - beat > patience:
-                who = t.user_attrs.get("worker", "its worker")
-                self.retry(t, f"its worker ({who}) stopped: no heartbeat for {now - beat:.0f} s")
+            beat = t.user_attrs.get("beat")
+            previous = self.seen.get(t._trial_id)
+            seen[t._trial_id] = previous if previous is not None and previous[0] == beat else (beat, now)
+            silent = now - seen[t._trial_id][1]
+            if silent <= patience:
+                continue
+            # A silent worker whose run trains on (stopped by Ctrl-Z, stalled on a slow journal)
+            # keeps its trial: it may yet wake and tell the result; if not, the run ends at its
+            # last step and its retry resumes there, its result kept.
+            out, first = t.user_attrs.get("output_dir"), t.user_attrs.get("retry_of", t.number)
+            if out and run_holds_folder(out, trial_job(self.sweep.name, first)):
+                continue
+            who = t.user_attrs.get("worker", "its worker")
+            self.retry(t, f"its worker ({who}) stopped: no heartbeat for {silent:.0f} s")
+        self.seen = seen
 
     def retry(self, t, reason):
         """Mark trial `t` failed with `reason` and, unless it has had its retries, queue it again
@@ -193,11 +233,35 @@ class Worker:
             storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
         except optuna.exceptions.UpdateFinishedTrialError:
             return  # another worker got there first
+        print(f"sweep.py: trial {t.number} fail: {reason}{note}", flush=True)
         if again:
             first = t.user_attrs.get("retry_of", t.number)
             self.study.enqueue_trial(t.params, user_attrs={"retry_of": first, "attempt": attempt + 1})
 
     def run_trial(self, trial):
+        optuna = import_optuna()
+        self.trial = trial
+        try:
+            self.train(trial)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Failed by another worker while this one was stopped or stalled past MISSED_BEATS
+            # heartbeats and its run had let go of the folder (or looked gone): the retry is
+            # queued for that folder. This attempt's run, if it trains on, stops (its checkpoint
+            # kept) for the retry to resume; this worker goes on with the sweep.
+            ended = self.process is not None and self.process.poll() is not None
+            if self.process is not None:
+                stop(self.process)
+                wait_for(self.process, float("inf"))
+            reason = self.study._storage.get_trial(trial._trial_id).user_attrs.get("reason", "")
+            print(f"sweep.py: trial {trial.number} was failed by another worker while this one was stalled "
+                  f"({reason}); its run {'had ended' if ended else 'stopped'}, its folder left to the retry",
+                  flush=True)  # fmt: skip
+        finally:
+            self.trial = self.process = None
+
+    def train(self, trial):
+        """Run `trial` to its end and tell the study how it ended (raises UpdateFinishedTrialError
+        when another worker failed it meanwhile)."""
         optuna = import_optuna()
         sweep = self.sweep
         params = suggest(trial, sweep.knobs)
@@ -206,7 +270,8 @@ class Worker:
         log_path = sweep.folder / "logs" / f"trial_{first:04d}.log"
         trial.set_user_attr("output_dir", str(out))
         trial.set_user_attr("worker", self.name)
-        trial.set_user_attr("heartbeat", time.time())
+        trial.set_user_attr("processes", sweep.processes)  # best_config.toml's rerun line starts as many
+        self.beat(trial)
         offset = log_path.stat().st_size if log_path.exists() else 0
         print(f"sweep.py: trial {trial.number} {params_text(params)}" + (f" (again, trial {first}'s folder)"
               if first != trial.number else ""), flush=True)  # fmt: skip
@@ -214,13 +279,13 @@ class Worker:
         # has rewritten it (cut back to its checkpoint, which it resumes exactly).
         before = file_stamp(out / "metrics.jsonl")
         started = time.monotonic()
-        process = start_trial(self.root, sweep.trial_flags(params, out), log_path, sweep.processes,
-                              job=f"sweep {sweep.name} trial {first}")  # fmt: skip
+        process = self.process = start_trial(self.root, sweep.trial_flags(params, out), log_path, sweep.processes,
+                                             job=trial_job(sweep.name, first))  # fmt: skip
         reported, outcome, last_beat = {}, None, time.monotonic()
         while True:
             code = process.poll()
             if time.monotonic() - last_beat >= sweep.heartbeat_seconds:
-                trial.set_user_attr("heartbeat", time.time())
+                self.beat(trial)
                 last_beat = time.monotonic()
                 self.reap()
             fresh = before is None or file_stamp(out / "metrics.jsonl") != before
@@ -273,11 +338,16 @@ class Worker:
         """study.tell, whose result is stored whatever the sampler does after it: the grid
         sampler calls Study.stop (which only optimize() may) when its grid is used up, and
         reads a grid position that a retried trial, queued with its parameters, has not."""
+        optuna = import_optuna()
         try:
             self.study.tell(trial, value, state=state)
         except (RuntimeError, KeyError):
             if self.study._storage.get_trial(trial._trial_id).state.name in ("RUNNING", "WAITING"):
                 raise
+        except ValueError:  # "Cannot tell a FAIL trial": another worker failed it since this one's last beat
+            if self.study._storage.get_trial(trial._trial_id).state.is_finished():
+                raise optuna.exceptions.UpdateFinishedTrialError(f"trial {trial.number} was failed meanwhile") from None
+            raise
 
     def judge(self, trial, record, reported):
         """What an evaluation line means for the trial: None (go on), or why to stop it."""

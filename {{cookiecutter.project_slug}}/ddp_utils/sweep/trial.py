@@ -28,6 +28,32 @@ def die_with_parent():
         pass
 
 
+def trial_job(sweep_name, first):
+    """The job every attempt of a trial runs as (its run's TRAINING_JOB_ID): `first` is the
+    number of the trial's first attempt, whose folder they share."""
+    return f"sweep {sweep_name} trial {first}"
+
+
+def run_holds_folder(folder, job):
+    """Whether a run of `job` holds `folder` and lives (its claim, ddp_utils/train/folder_claim.py):
+    on this machine its process exists; on another, its claim was renewed within STALE_SECONDS on
+    the file system's own clock, so no two hosts' clocks are compared. A trial whose worker fell
+    silent (stopped by Ctrl-Z, stalled on a slow journal) while its run trains on keeps its run."""
+    from ..train.folder_claim import CLAIM_FILE, STALE_SECONDS, claim_age, machine_identity, process_alive, read_claim
+
+    path = Path(folder) / CLAIM_FILE
+    try:
+        owner = read_claim(path)
+        if owner is None or owner.get("job") != job or "pid" not in owner:
+            return False
+        if owner.get("machine") == machine_identity():
+            return process_alive(owner)
+        age = claim_age(path)
+    except OSError:  # unreadable: taken for gone, as the worker's silence says
+        return False
+    return age is not None and age < STALE_SECONDS
+
+
 def start_trial(root, argv, log_path, processes, job):
     """Start `scripts/launch.sh argv` in the project folder `root`; its output goes to `log_path`
     (appended: a retry's output follows the first attempt's). `job` names the trial to the
