@@ -54,6 +54,7 @@ CLAIM = "tests/test_folder_claim.py"
 SWEEP = "tests/test_sweep.py"
 ACTIVATIONS = "tests/test_activation_checkpointing.py"
 OFFLOAD = "tests/test_cpu_offload.py"
+STREAMING = "tests/test_streaming.py"
 
 MUTANTS = [
     Mutant(
@@ -1222,6 +1223,54 @@ MUTANTS = [
         'if "nccl" in backend else',
         'if backend == "nccl" else',
         (f"{OFFLOAD}::test_hsdp_groups_on_gpus_take_nccls_options_beside_gloo",),
+    ),
+    Mutant(
+        "stream_order_over_all_shards",
+        "a streamed epoch shuffles every sample of every shard together: each batch needs many shards at once",
+        "ddp_utils/data/loaders.py",
+        'order = getattr(train_set, "epoch_order", None)',
+        "order = None",
+        (f"{STREAMING}::test_every_sample_once_an_epoch_in_one_order_for_any_world_size",),
+    ),
+    Mutant(
+        "shard_used_unverified",
+        "a downloaded shard is renamed into the cache without its size and sha256 checked",
+        "ddp_utils/data/shards.py",
+        '                fs.get_file(f"{root}/{name}", str(partial))\n                self._verify(partial, shard, where)',
+        '                fs.get_file(f"{root}/{name}", str(partial))',
+        (f"{STREAMING}::test_a_missing_or_corrupt_shard_stops_with_one_line_naming_it",),
+    ),
+    Mutant(
+        "shard_cache_per_process",
+        "each process and DataLoader worker keeps a cache of its own: every shard downloaded by each",
+        "ddp_utils/data/shards.py",
+        "hashlib.sha256(self.url.encode()).hexdigest()[:16]",
+        'hashlib.sha256(f"{self.url}{os.getpid()}".encode()).hexdigest()[:16]',
+        (f"{STREAMING}::test_two_streaming_processes_train_as_one_reading_local_shards",),
+    ),
+    Mutant(
+        "shard_download_not_retried",
+        "a download cut half-way stops the run instead of being fetched again",
+        "ddp_utils/data/shards.py",
+        "    for attempt in range(ATTEMPTS):\n        try:\n            return action()",
+        "    for attempt in range(ATTEMPTS - 1, ATTEMPTS):\n        try:\n            return action()",
+        (f"{STREAMING}::test_a_download_cut_half_way_is_fetched_again_and_never_read",),
+    ),
+    Mutant(
+        "token_shards_without_the_shared_token",
+        "consecutive token shards share no token: the windows change with the shard size",
+        "make_shards.py",
+        "tokens[start : start + per_shard + 1]",
+        "tokens[start : start + per_shard]",
+        (f"{STREAMING}::test_every_sample_once_an_epoch_in_one_order_for_any_world_size",),
+    ),
+    Mutant(
+        "store_failure_as_a_crash",
+        "the data's store failing mid-run is reported as a crash with a traceback, the other ranks' errors after it",
+        "ddp_utils/distributed/faults.py",
+        "elif isinstance(error, (OutOfMemory, DataUnavailable)):",
+        "elif isinstance(error, OutOfMemory):",
+        (f"{STREAMING}::test_a_store_gone_mid_epoch_stops_with_a_line_and_the_same_command_resumes_exactly",),
     ),
 ]
 

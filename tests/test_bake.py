@@ -137,9 +137,11 @@ def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prom
 
 
 GENERATED_TESTS = TEMPLATE / "{{cookiecutter.project_slug}}" / "tests"
-GENERATED_TEST_MODULES = sorted(str(p.relative_to(GENERATED_TESTS)) for p in GENERATED_TESTS.rglob("test_*.py")) + [
-    "test_task.py"
-]
+# The default task's own tests (tasks/language/tests/) join the shared ones in its bake.
+TASK_TESTS = TEMPLATE / "{{cookiecutter.project_slug}}" / "tasks" / "language" / "tests"
+GENERATED_TEST_MODULES = sorted(
+    str(p.relative_to(GENERATED_TESTS)) for p in GENERATED_TESTS.rglob("test_*.py")
+) + sorted(p.name for p in TASK_TESTS.glob("test_*.py"))
 GENERATED_TEST_MODULES.remove("cluster/test_kubernetes.py")  # kubernetes=no here: the tabular bake runs it
 GENERATED_TEST_MODULES.remove("cluster/test_skypilot.py")  # skypilot=no here: the tabular bake runs it
 # The modules of a few minutes run one by one, to spread over the workers. Together: the short
@@ -168,6 +170,7 @@ SECONDS = {
     "test_preemption.py test_folder_claim.py": 270,
     "test_resilience.py test_disk_space.py": 200,
     "test_activation_checkpointing.py": 190,
+    "test_streaming.py": 180,
     "test_fsdp.py": 210,
     "test_cpu_offload.py": 150,
     "test_correctness.py": 185,

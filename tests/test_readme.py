@@ -72,7 +72,7 @@ def test_the_default_readme_is_a_front_door_and_docs_hold_the_rest(default_proje
     check_project(default_project)
     expected = {"configuration.md", "your-model.md", "task.md", "preflight-and-doctor.md", "clusters.md",
                 "slurm.md", "checkpoints.md", "sharding.md", "memory.md", "performance.md", "guarantees.md", "optimizers.md",
-                "sweeps.md"}  # fmt: skip
+                "sweeps.md", "streaming.md", "streaming-libraries.md"}  # fmt: skip
     assert {p.name for p in (default_project / "docs").iterdir()} == expected
     readme = (default_project / "README.md").read_text()
     for page in expected:  # the README links every page

@@ -45,6 +45,10 @@ class Config(RunConfig, ModelConfig, DataConfig):
     skip_bad_files: bool = knob(
         False, "train without the samples the data's check finds bad (a corrupt image), rather than stop"
     )
+    # Data in shards (--data_dir s3://bucket/prefix, or a folder with index.json: docs/streaming.md)
+    stream_cache_dir: str = knob("", "node-local folder caching shards read from a URL, '' = the system's temp folder")
+    stream_cache_gb: float = knob(20.0, "most GiB of shards the cache keeps per node (least recently used evicted)")
+    stream_shuffle_shards: int = knob(8, "shards whose samples an epoch shuffles together (all in the cache at once)")
 
     # Optimisation
     batch_size: int = knob(

@@ -18,7 +18,7 @@ its modules.
                       checks across fields; the TOML file that reproduces a run
     observe/          metrics lines, trackers, MFU, profiles: nothing here may stop a run
     checkpoint/       the Checkpointer, the formats on disk (one file, DCP folders), the room they need
-    data/             which rank sees which samples, loaders, seeding; tables and image folders read and checked
+    data/             which rank sees which samples, loaders, seeding; tables, image folders and shards read and checked
     optim/            the optimizer (AdamW, Muon), gradient clipping, the learning rate schedule
     distributed/      the process group, devices, collectives, waits through the store, faults
     inference.py      a trained model in one process (the task's scripts): device, checkpoint

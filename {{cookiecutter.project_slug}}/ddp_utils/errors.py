@@ -42,6 +42,21 @@ class OutOfMemory(RuntimeError):
     """This rank ran out of GPU memory (out_of_memory.MemoryGuard): the line that names it."""
 
 
+class DataUnavailable(RuntimeError):
+    """The data's store failed mid-run (unreachable, a shard missing or corrupt: data/shards.py):
+    one line naming the shard; the run stops as at an out-of-memory error, and the same command
+    resumes from its last checkpoint.
+
+    Raised in a DataLoader worker, it reaches the training process as DataLoader re-raises it:
+    `DataUnavailable(text with the worker's traceback)`, whose last line is the original message."""
+
+    def __init__(self, message):
+        if message.startswith("Caught "):  # torch.utils.data's ExceptionWrapper.reraise
+            name, _, text = message.rstrip().splitlines()[-1].partition(": ")  # "package.module.Class: message"
+            message = text if name.endswith(type(self).__name__) else message
+        super().__init__(message)
+
+
 class Preempted(Exception):
     """A stop signal (faults.StopRequest) reached every rank: checkpoint and exit."""
 

@@ -5,6 +5,7 @@ datasets of the tasks' kinds of data that need no code of their own.
     rows.py     samples held in memory as tensors: a batch in one gather, noise from (seed, epoch, index)
     tables.py   a CSV or Parquet table as training and validation rows: read, checked, split, standardised
     images.py   an image folder as datasets: its layouts and split, decoding, the check of every file
+    shards.py   data in shards from a folder or object storage: the index, the node's cache, the order
 
 The names every task's dataset.py may import are here: `from ddp_utils.data import mix_seed, Batch`.
 A table's and an image folder's come from their own modules (`from ddp_utils.data.tables import

@@ -42,11 +42,13 @@ class ShardedSampler(Sampler):
     whole global batches and deals positions round-robin: rank r takes r, r+W, r+2W, ... So
     the samples in global batch k are the same set for any number of processes W with the
     same global batch size, and nothing is padded or duplicated. `start` (a multiple of the
-    global batch) skips samples already trained on, for a mid-epoch resume.
+    global batch) skips samples already trained on, for a mid-epoch resume. A dataset read in
+    shards hands its own `epoch_order(seed, epoch)` (shards.shard_order: a few shards at a time),
+    as pure a function of (seed, epoch) as the shuffle it replaces.
     """
 
-    def __init__(self, num_samples, global_batch_size, rank, world_size, seed):
-        self.num_samples = num_samples
+    def __init__(self, num_samples, global_batch_size, rank, world_size, seed, epoch_order=None):
+        self.num_samples, self.epoch_order = num_samples, epoch_order
         self.usable = num_samples // global_batch_size * global_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.epoch, self.start = 0, 0
@@ -55,8 +57,11 @@ class ShardedSampler(Sampler):
         self.epoch, self.start = epoch, start
 
     def __iter__(self):
-        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
-        order = torch.randperm(self.num_samples, generator=generator)[: self.usable]
+        if self.epoch_order is not None:
+            order = self.epoch_order(self.seed, self.epoch)[: self.usable]
+        else:
+            generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
+            order = torch.randperm(self.num_samples, generator=generator)[: self.usable]
         return iter(order[self.start + self.rank :: self.world_size].tolist())
 
     def __len__(self):
@@ -201,7 +206,8 @@ def global_batch_size(cfg, ctx):
 
 def build_loaders(cfg, ctx, train_set, val_set):
     """The training loader (ShardedSampler) and the validation loader of this rank."""
-    sampler = ShardedSampler(len(train_set), global_batch_size(cfg, ctx), ctx.rank, ctx.world_size, cfg.seed)
+    order = getattr(train_set, "epoch_order", None)
+    sampler = ShardedSampler(len(train_set), global_batch_size(cfg, ctx), ctx.rank, ctx.world_size, cfg.seed, order)
     common = dict(
         batch_size=cfg.batch_size,
         collate_fn=collate,

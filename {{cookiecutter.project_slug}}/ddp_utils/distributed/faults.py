@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..core.files import folder_lost
 from ..core.logs import log, report
-from ..errors import CheckpointError, OutOfMemory, Preempted, RankGone, TrainingError
+from ..errors import CheckpointError, DataUnavailable, OutOfMemory, Preempted, RankGone, TrainingError
 
 FAILED_KEY = "failed"  # in the store: set by a rank that stops the job alone (OutOfMemory)
 
@@ -310,8 +310,8 @@ class ExitPath:
                 report("stopped by %s at step %d; checkpoint saved, run the same command to resume", error,
                        trainer.step)  # fmt: skip
                 write_stop_status(self.code)
-            elif isinstance(error, OutOfMemory):
-                # The first rank out of memory says so; the others leave without a word (each
+            elif isinstance(error, (OutOfMemory, DataUnavailable)):
+                # The first rank out of memory (or without its data) says so; the others leave without a word (each
                 # rank's heartbeat thread watches the key: store_waits.Heartbeats).
                 if self.ctx.store is None or self.ctx.store.add(FAILED_KEY + "/count", 1) == 1:
                     log.error("%s", error)

@@ -12,9 +12,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..core.units import size_text
+from ..data.shards import is_sharded, shown, time_download
 from ..distributed.device import choose_device
 from ..distributed.process_group import group_prefix, processes_per_node
-from ..errors import PreflightError
+from ..errors import DataUnavailable, InputError, PreflightError
 
 
 def say(rank, message, file=sys.stdout):
@@ -155,3 +157,19 @@ def check_network_identity():
         )
     via = f"interface {pinned} (pinned)" if pinned else f"{route_ip} on {interface or 'its route'}"
     return f"{hostname} resolves to {advertised}; reaches MASTER_ADDR {master} via {via}"
+
+
+def check_data_store(data_dir, local_rank):
+    """Data in shards at a URL: each node's first process fetches a shard and says how long an
+    epoch's shards take to download at that rate (None: local data, or not this node's first)."""
+    if local_rank != 0 or not is_sharded(data_dir) or "://" not in data_dir:
+        return None
+    try:
+        seconds, size, epoch = time_download(data_dir)
+    except (InputError, DataUnavailable) as error:
+        raise PreflightError(f"--data_dir {shown(data_dir)}: {error}") from None
+    rate = size / max(seconds, 1e-9)
+    return (
+        f"data: a {size_text(size)} shard of {shown(data_dir)} fetched and checked in {seconds:.3g} s "
+        f"({rate / 1e6:.3g} MB/s): an epoch's {size_text(epoch)} of shards takes ~{epoch / rate:.3g} s at this rate"
+    )

@@ -69,7 +69,7 @@ from .comm_model import (
     predict,
     verdict,
 )
-from .local_checks import check_gpus, check_network_identity, check_own_gpu, check_place, say
+from .local_checks import check_data_store, check_gpus, check_network_identity, check_own_gpu, check_place, say
 from .measure import (
     check_collective,
     log_nccl_network,
@@ -255,6 +255,9 @@ def main(task, argv=None):
         say(rank, check_place(env), lines)
         say(rank, check_gpus(env, cfg.device), lines)
         say(rank, check_network_identity(), lines)
+        data_line = check_data_store(cfg.data_dir, env["LOCAL_RANK"]) if hasattr(cfg, "data_dir") else None
+        if data_line:
+            say(rank, data_line, lines)
         device = choose_device(env["LOCAL_RANK"], cfg.device)
         if device.type == "cuda" and processes_per_node() > 1:
             line, store = check_own_gpu(env, device, cfg.timeout_seconds)

@@ -5,6 +5,10 @@
 can fill a data folder too. Each item is `block_size` tokens and the same tokens shifted by
 one: the model predicts every next token at once. The tokenizer that made the files (meta.json,
 tokenizer.json) goes into every checkpoint, for sample.py.
+
+A `--data_dir` that is a URL (s3://bucket/prefix) or a folder with index.json is read in shards
+(make_shards.py writes them from the token files; ddp_utils/data/shards.py streams them): each
+sample is one of the shards' consecutive windows, every window once an epoch.
 """
 
 import json
@@ -16,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddp_utils.data import mix_seed
+from ddp_utils.data.shards import ShardedDataset, check_cache, is_sharded, open_store
 from ddp_utils.errors import ConfigError
 from ddp_utils.knobs import knob
 from language.tokenizer import describe
@@ -27,7 +32,10 @@ DEFAULT_DATA_DIR = "data/text"
 class DataConfig:
     """The data's knobs: fields of Config, each a --flag."""
 
-    data_dir: str = knob(DEFAULT_DATA_DIR, "folder with train.bin, val.bin and meta.json (python prepare_data.py)")
+    data_dir: str = knob(
+        DEFAULT_DATA_DIR,
+        "folder with train.bin, val.bin and meta.json (prepare_data.py), or shards: a URL or folder (make_shards.py)",
+    )
     train_samples: int = knob(16384, "training windows per epoch, each at a fresh random offset every epoch")
     val_samples: int = knob(512, "validation windows, fixed and evenly spread over val.bin (each evaluated once)")
 
@@ -95,6 +103,8 @@ class TokenWindows(Dataset):
 
 
 def build_datasets(cfg):
+    if is_sharded(cfg.data_dir):
+        return shard_datasets(cfg)
     folder = Path(cfg.data_dir)
     fix = "run python prepare_data.py" + ("" if cfg.data_dir == DEFAULT_DATA_DIR else f" --output_dir {folder}")
     for name in ("train.bin", "val.bin"):
@@ -142,3 +152,49 @@ def token_file_meta(folder):
     if not isinstance(vocab_size, int):
         raise ConfigError("data_dir", f"{meta_file} says vocab_size {vocab_size!r}: a whole number")
     return {"dtype": dtype, "tokenizer": tokenizer, "vocab_size": vocab_size}
+
+
+class TokenShards(ShardedDataset):
+    """The windows of token shards: shard s of T tokens holds (T - 1) // block_size windows of
+    `block_size + 1` tokens, one after another; an epoch reads each once, in the loaders' order.
+    `picks` (validation) keeps --val_samples windows evenly spread over all of them."""
+
+    def __init__(self, store, split, cfg, picks=None):
+        shards = store.split(split)
+        check_cache(cfg, shards)
+        self.block_size, self.dtype = cfg.block_size, np.dtype(store.index["dtype"])
+        self.tokenizer = store.index["tokenizer"]
+        sizes = [(shard["samples"] - 1) // cfg.block_size for shard in shards]
+        if not any(sizes):
+            raise ConfigError(
+                "block_size",
+                f"is {cfg.block_size}: no {split} shard of {cfg.data_dir} holds a window of that many tokens + 1",
+            )
+        super().__init__(store, shards, sizes, cfg.stream_shuffle_shards)
+        total = self.starts[-1]
+        self.picks = None if picks is None else [i * (total - 1) // max(1, picks - 1) for i in range(min(picks, total))]
+
+    def data_state(self):
+        return {"tokenizer": self.tokenizer}
+
+    def __len__(self):
+        return super().__len__() if self.picks is None else len(self.picks)
+
+    def __getitem__(self, index):
+        return super().__getitem__(index if self.picks is None else self.picks[index])
+
+    def open_shard(self, path):
+        return np.memmap(path, dtype=self.dtype, mode="r")
+
+    def read(self, tokens, j):
+        start = j * self.block_size
+        window = torch.from_numpy(tokens[start : start + self.block_size + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+def shard_datasets(cfg):
+    store = open_store(cfg)
+    used = store.index.get("vocab_size", 0)
+    if used > cfg.vocab_size:
+        raise ConfigError("vocab_size", f"is {cfg.vocab_size}, but the shards' index says their tokens use {used} ids")
+    return TokenShards(store, "train", cfg), TokenShards(store, "val", cfg, picks=cfg.val_samples)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_utils.contract import build_on_meta
+from ddp_utils.data.shards import is_sharded, read_index
 from ddp_utils.errors import ConfigError
 from ddp_utils.knobs import knob
 from language import hf_gpt2
@@ -58,6 +59,13 @@ class ModelConfig:
             return self.pretrained_shape()
         if self.vocab_size:
             return {}
+        if is_sharded(self.data_dir):  # make_shards.py copied meta.json's facts into the index
+            vocab_size = read_index(self.data_dir).get("vocab_size")
+            if not vocab_size:
+                raise ConfigError(
+                    "vocab_size", f"is 0, but the index of {self.data_dir} holds no vocab_size: pass --vocab_size"
+                )
+            return {"vocab_size": vocab_size}
         meta = Path(self.data_dir) / "meta.json"
         if not meta.is_file():
             raise ConfigError(
