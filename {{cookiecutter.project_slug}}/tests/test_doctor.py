@@ -3,12 +3,14 @@ is for is named, injected into small models in this process."""
 
 import copy
 import dataclasses
+import gc
 import inspect
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from config import Config
 from ddp_utils.configuration import parse_config
+from ddp_utils.core.collector import Collector
 from ddp_utils.core.units import size_text
 from ddp_utils.doctor import equivalence as doctor_equivalence
 from ddp_utils.doctor import memory as doctor_memory
@@ -39,6 +42,8 @@ from ddp_utils.doctor import model_checks
 from ddp_utils.doctor import processes as doctor_processes
 from ddp_utils.doctor import run as doctor
 from ddp_utils.doctor.rows import halves, to_float64
+from ddp_utils.errors import ConfigError
+from ddp_utils.parallel.model_init import build_module
 from task import TASK
 
 
@@ -603,6 +608,87 @@ class Scaled(nn.Module):
 def test_the_shard_units_and_a_module_the_meta_start_cannot_reach(model, flags, status, named):
     row = model_checks.sharding_check(lambda cfg: copy.deepcopy(model), model, cfg_for(*flags))
     assert row["status"] == status and named in row["summary"], row
+
+
+class HeadZeroed(nn.Module):
+    """A model with init_weights: training builds it module by module, its head zeroed."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def init_weights(self, name, module):
+        if name == "head":
+            nn.init.zeros_(module.weight)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+@pytest.mark.parametrize(
+    "build_model, flags",
+    [
+        (lambda cfg: HeadZeroed(), ()),
+        (lambda cfg: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), ()),
+        (lambda cfg: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), ("--init_on_meta", "true")),
+        (lambda cfg: nn.Sequential(Scaled(), Scaled()), ("--init_on_meta", "true")),
+    ],
+    ids=["init_weights", "as_built", "init_on_meta", "meta_start_fails"],
+)
+def test_the_doctor_checks_the_model_training_builds(build_model, flags):
+    """Its model has training's initial weights (parallel/model_init.py, the one function of
+    both): a model's init_weights applied module by module, --init_on_meta's start on the meta
+    device. Where the meta start fails, the model as its own code makes it (the shard units row
+    says why; training refuses it)."""
+    cfg, task = cfg_for(*flags), SimpleNamespace(build_model=build_model)
+    ours = doctor.built(task, cfg).state_dict()
+    try:
+        trained = build_module(cfg, build_model, torch.device("cpu"), on_meta=cfg.init_on_meta).state_dict()
+    except ConfigError:  # the meta start fails
+        trained = build_module(cfg, build_model, torch.device("cpu")).state_dict()
+    assert list(ours) == list(trained)
+    for name, value in ours.items():
+        assert torch.equal(value, trained[name]), f"{name}: not training's initial weights"
+    if isinstance(build_model(cfg), HeadZeroed):
+        assert not ours["head.weight"].any()
+
+
+# A run in a process that goes on: a notebook, a sweep, the doctor run next.
+RUN_IN_PROCESS = """
+import gc, json, sys
+sys.path.insert(0, ".")
+import task
+from ddp_utils.train import run
+gc.set_threshold(1234, 11, 12)
+code = run.main(task.TASK, json.loads(sys.argv[1]))
+print("GC " + json.dumps([code, gc.get_threshold(), gc.get_freeze_count()]))
+"""
+
+
+def test_a_run_that_ends_gives_the_garbage_collector_back_its_thresholds(tmp_path):
+    """Training turns automatic full collections off and freezes what survives (core/collector.py);
+    once train.py's main returns, the process collects as before it: its own thresholds, nothing
+    left frozen."""
+    args = [*TINY, "--output_dir", str(tmp_path), "--max_steps", "2"]
+    done = subprocess.run([sys.executable, "-c", RUN_IN_PROCESS, json.dumps(args)], cwd=PROJECT, capture_output=True,
+                          text=True, env=training_env(), timeout=300)  # fmt: skip
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("GC ")] or [done.stdout + done.stderr]
+    assert json.loads(line.removeprefix("GC ")) == [0, [1234, 11, 12], 0], line
+
+
+def test_a_collector_started_twice_gives_back_the_thresholds_of_before():
+    """A Trainer trained again (a notebook) starts its collector twice: still the process's own."""
+    before = gc.get_threshold()
+    collector = Collector()
+    try:
+        gc.set_threshold(1234, 11, 12)
+        collector.start()
+        collector.start()
+        collector.close()
+        assert gc.get_threshold() == (1234, 11, 12)
+    finally:
+        collector.close()
+        gc.set_threshold(*before)
 
 
 class Reaching(nn.Module):

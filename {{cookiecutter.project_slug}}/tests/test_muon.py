@@ -5,9 +5,11 @@ at --lr; 1 vs 2 processes and accumulation give the same parameters, fsdp and hs
 matrices, never on a shard), resume after SIGTERM and after a SIGKILL of the whole job is exact
 (both optimizers' state in the checkpoint), resume on another world size stays on course, fp16
 skips an overflowing step, the doctor passes, and a checkpoint of one optimizer is refused by
-the other. In float64, as the reference runs of the other tests (conftest.ReferenceRuns):
+the other; compiled (on GPUs), Newton-Schulz takes a model of any number of matrix shapes.
+In float64, as the reference runs of the other tests (conftest.ReferenceRuns):
 Newton-Schulz then runs in float64 too (ddp_utils/optim/muon.py newton_schulz)."""
 
+import copy
 import functools
 import json
 import math
@@ -40,6 +42,7 @@ from conftest import (
 )
 from test_fsdp import final_weights
 
+from ddp_utils.optim import muon as muon_module
 from ddp_utils.optim.lr_schedule import Plan, lr_at
 from ddp_utils.optim.optimizer import build_optimizer
 from task import TASK
@@ -163,6 +166,44 @@ def test_the_update_is_torch_optim_muons_to_the_bit(monkeypatch):
     for name, p in ours_model.named_parameters():
         theirs = matrices.get(name, rest.get(name))
         assert torch.equal(p.detach(), theirs.detach().reshape(p.shape)), f"{name} differs from torch's update"
+
+
+def test_compiled_newton_schulz_takes_more_shapes_than_dynamos_recompile_limit(monkeypatch):
+    """A model of many widths (a ConvNet's, say) has as many matrix shapes: each one a graph of
+    the compiled Newton-Schulz (static shapes), more than Dynamo's recompile limit of 8 per
+    function, which under fullgraph=True raises at the ninth. Compiled on the CPU here (the
+    limit is the same there; the graphs run as traced, not by inductor: a second each), the
+    model of eleven layers (nine hidden matrices, each of its own shape) trains 2 steps, one
+    graph a shape, and ends with the parameters eager Newton-Schulz gives."""
+    graphs = []
+
+    def traced(graph, inputs):  # a torch.compile backend: the graph, run as traced
+        graphs.append(graph)
+        return graph.forward
+
+    cfg = replace(TINY_CONFIG.resolved(), optimizer="muon")
+    widths = range(4, 16)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(i, o) for i, o in zip(widths, widths[1:])]
+    eager = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.Tanh())][:-1])
+    compiled = copy.deepcopy(eager)
+    inputs, targets = torch.randn(16, widths[0]), torch.randn(16, widths[-1])
+    torch._dynamo.reset()
+    try:
+        for model, on_cpu in ((eager, None), (compiled, traced)):
+            with monkeypatch.context() as patch:
+                if on_cpu:
+                    patch.setitem(muon_module.COMPILED_ON, "cpu", on_cpu)
+                optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+                for _ in range(2):
+                    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == len(layers) - 2 == 9, len(graphs)  # the hidden ones, a graph each
+    for (name, ours), theirs in zip(compiled.named_parameters(), eager.parameters()):
+        assert torch.equal(ours, theirs), f"{name}: compiled Newton-Schulz gives another update"
 
 
 def test_each_rank_orthogonalises_its_share_of_the_matrices(muon):

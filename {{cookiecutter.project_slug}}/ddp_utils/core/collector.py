@@ -10,7 +10,9 @@ the datasets, torch's own modules) are frozen once (`gc.freeze`: later collectio
 and automatic full collections are off while training; young collections, which only look at
 the objects made since the last one, stay on, so short-lived reference cycles are still freed
 as they come. `collect()` does a full collection (and freezes its survivors) at the places the
-loop calls it. `close()` gives the collector back its thresholds.
+loop calls it. `close()` gives the collector back its thresholds, those of before the first
+`start()` (a second start, a notebook training the same Trainer again, keeps them): whatever
+the process runs next (a notebook, a sweep, the doctor) collects as it did before the run.
 """
 
 import gc
@@ -26,7 +28,8 @@ class Collector:
         """Before the first step: collect, freeze what survived, no automatic full collections."""
         gc.collect()
         gc.freeze()
-        self.thresholds = gc.get_threshold()
+        if self.thresholds is None:  # started already: gc's thresholds are this collector's own
+            self.thresholds = gc.get_threshold()
         young, middle = self.thresholds[:2]
         gc.set_threshold(young, middle, NEVER)
 

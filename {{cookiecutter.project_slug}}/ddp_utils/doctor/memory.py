@@ -36,6 +36,7 @@ from ..core.units import size_text
 from ..optim.optimizer import build_optimizer
 from ..parallel.activation_checkpointing import MODES, apply_activation_checkpointing, checkpointable_blocks
 from ..parallel.blocks import shard_units
+from ..train.out_of_memory import same_global_batch
 from .rows import check, halves
 
 
@@ -211,7 +212,8 @@ def memory_check(plans, flags, configured, cfg, gpu_gb, world_size, checkpointin
     if activations > 0.3 * totals[configured]:
         if cfg.activation_checkpointing == "none":
             fixes.append(checkpointing or "--activation_checkpointing full")
-        fixes.append(f"--batch_size {max(1, cfg.batch_size // 2)} --grad_accum_steps {2 * cfg.grad_accum_steps}")
+        if smaller := same_global_batch(cfg):
+            fixes.append(smaller)
     status = "warn" if any(fits.values()) else "fail"
     return check("memory plan", status, f"{summary}: {configured} does not fit {gpu}", "; or ".join(fixes))
 

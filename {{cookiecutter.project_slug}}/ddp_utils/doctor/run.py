@@ -68,8 +68,9 @@ import torch
 from ..configuration import parse_config
 from ..core.files import write_atomically
 from ..core.logs import first_line, print_error
-from ..errors import InputError
+from ..errors import ConfigError, InputError
 from ..knobs import OneLineParser
+from ..parallel.model_init import initial_model
 from ..train.out_of_memory import plan_settings
 from .equivalence import (
     data_position_check,
@@ -111,10 +112,15 @@ def build(task, cfg):
 
 
 def built(task, cfg):
-    """The model as training builds it: torch seeded by --seed (the generators left as they were)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        return task.build_model(cfg)
+    """The model as training builds it, on the CPU (the generators left as they were): with
+    training's own function (model_init.initial_model), so its initial weights are training's,
+    a model's init_weights and --init_on_meta included; before its activation checkpointing
+    (the doctor measures each mode on copies) and its strategy. A model the meta start cannot
+    reach is built as its own code makes it, here only: the shard units row names what fails."""
+    try:
+        return initial_model(cfg, task.build_model, torch.device("cpu"), on_meta=cfg.init_on_meta)
+    except ConfigError:
+        return initial_model(cfg, task.build_model, torch.device("cpu"))
 
 
 def diagnose(task, cfg, gpu_gb, world_size, gpus_per_node):

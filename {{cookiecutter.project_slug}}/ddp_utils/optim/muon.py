@@ -68,11 +68,30 @@ def newton_schulz(matrices, steps, eps=1e-7):
     return x.mT if tall else x
 
 
+# Where newton_schulz is compiled, and by which torch.compile backend: on GPUs; elsewhere eager.
+COMPILED_ON = {"cuda": "inductor"}
+SHAPES = set()  # the batch shapes newton_schulz was compiled for in this process: a graph each
+
+
 @functools.cache
-def compiled_newton_schulz():
+def compiled_newton_schulz(backend="inductor"):
     """newton_schulz compiled for GPUs: one graph per batch shape (static shapes, as nanochat
     and the speedrun compile it), its elementwise steps fused around the matmuls."""
-    return torch.compile(newton_schulz, dynamic=False, fullgraph=True)
+    return torch.compile(newton_schulz, dynamic=False, fullgraph=True, backend=backend)
+
+
+def compiled_call(batch, steps, backend):
+    """compiled_newton_schulz(backend) of `batch`, with room for a graph per batch shape. A
+    model has as many shapes as it likes (a ConvNet's widths, a model of many sizes), and one
+    graph each is what static shapes are for: Dynamo's recompile limit (8 graphs of a function,
+    whatever the device) would end the run at the ninth under fullgraph=True. The limits are
+    raised only around these calls, never for the model's own compile (--compile)."""
+    SHAPES.add((tuple(batch.shape), batch.dtype, batch.device, steps))
+    config = torch._dynamo.config
+    limits = {"recompile_limit": max(config.recompile_limit, len(SHAPES)),
+              "accumulated_recompile_limit": max(config.accumulated_recompile_limit, len(SHAPES))}  # fmt: skip
+    with config.patch(limits):
+        return compiled_newton_schulz(backend)(batch, steps)
 
 
 def newton_schulz_dtype(tensor):
@@ -84,10 +103,10 @@ def newton_schulz_dtype(tensor):
 
 def orthogonalise(matrices, steps):
     """newton_schulz of same-shaped 2-D matrices as one batch, returned as a batch: on GPUs
-    compiled, elsewhere eager."""
+    compiled (COMPILED_ON), elsewhere eager."""
     batch = torch.stack(matrices)
-    if batch.device.type == "cuda":
-        return compiled_newton_schulz()(batch, steps)
+    if backend := COMPILED_ON.get(batch.device.type):
+        return compiled_call(batch, steps, backend)
     return newton_schulz(batch, steps)
 
 

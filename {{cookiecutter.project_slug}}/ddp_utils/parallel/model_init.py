@@ -2,6 +2,8 @@
 
 `build_module` builds the task's model as its own code makes it (or on the meta device, to be
 materialised shard by shard under fsdp); `shard_units` finds the blocks fsdp shards one by one.
+`initial_model` is the model with its initial weights: the one function training (through
+`build_module`) and the doctor build it with.
 """
 
 import zlib
@@ -20,9 +22,9 @@ from .blocks import shard_units
 
 
 def build_module(cfg, build_model, device, on_meta=False, shard=None):
-    """`build_model(cfg)` as `_built` makes it, its blocks then checkpointed as
+    """`build_model(cfg)` as `initial_model` makes it, its blocks then checkpointed as
     --activation_checkpointing says (before --compile and the strategy's wrapper)."""
-    model = _built(cfg, build_model, device, on_meta, shard)
+    model = initial_model(cfg, build_model, device, on_meta, shard)
     if checkpointed := apply_activation_checkpointing(model, cfg.activation_checkpointing):
         blocks = shard_units(model)
         kinds = ", ".join(sorted({_class_name(block) for block in blocks}))
@@ -36,9 +38,10 @@ def _class_name(module):
     return type(module).__mro__[1].__name__ if isinstance(module, FSDPModule) else type(module).__name__
 
 
-def _built(cfg, build_model, device, on_meta=False, shard=None):
+def initial_model(cfg, build_model, device, on_meta=False, shard=None):
     """`build_model(cfg)` on `device` with its initial weights: the same under ddp and fsdp, on
-    one process or sharded over many (`shard(unit)` shards one unit in place).
+    one process or sharded over many (`shard(unit)` shards one unit in place), and in the
+    doctor's process (doctor.run.built), which checks the model training starts from.
 
     How the weights are made is the model's choice:
     - As built (a model without `init_weights`): `build_model(cfg)` runs on the CPU with torch's

@@ -78,7 +78,9 @@ class TextSamples:
     the trackers. Training goes on as if it had not run: the random generators are restored,
     no gradient is kept, the model is back in training mode. Under ddp rank 0 alone runs the
     unwrapped model (no collective); under fsdp every rank runs it, as each forward all-gathers
-    the shards."""
+    the shards. An error turns sampling off and training goes on, as it is the same on every
+    rank that runs it; running out of memory is not (one rank's, not its peers'): it stops the
+    run, as anywhere else (the trainer's MemoryGuard names it)."""
 
     def __init__(self, cfg, ctx, task, strategy, reporter, amp_dtype, data):
         self.cfg, self.device, self.strategy, self.reporter = cfg, ctx.device, strategy, reporter
@@ -96,6 +98,8 @@ class TextSamples:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 with autocast(self.device, self.amp_dtype):
                     text = self.sample_text(model, self.cfg, self.data)
+        except torch.OutOfMemoryError:
+            raise  # turned off on this rank alone, its peers' all-gathers under fsdp would fall out of step
         except Exception as error:  # noqa: BLE001 - the same on every rank that runs it: training goes on
             warn_main(f"--sample_every_steps: sample_text failed and is turned off: {type(error).__name__}: {error}")
             self.runs_here = False

@@ -1,12 +1,17 @@
-"""CUDA out of memory, named: torch's OutOfMemoryError caught where it happens (the forward, the
-first step's torch.compile, the backward, the optimizer step, evaluation) and turned into one
-line: the rank, the step, the phase, the memory in use and the GPU's total, the doctor's plan
-for this model at these settings when doctor.json has one, and the knobs that make it fit:
---activation_checkpointing first while it is off (with the doctor's figure of what it saves),
---cpu_offload under fsdp where the sharded state itself does not fit. Every size in it is in
-binary units (core.units: MiB, GiB), the plan's as the GPU's.
+"""CUDA out of memory, named: torch's OutOfMemoryError caught where it happens (the batch's move
+to the device, the forward, the first step's torch.compile, the backward, the gradients'
+unscaling and clipping, the optimizer step, evaluation, a checkpoint's gathers and DCP's
+staging, --sample_every_steps' sampling) and turned into one line: the rank, the step, the
+phase, the memory in use and the GPU's total, the doctor's plan for this model at these
+settings when doctor.json has one, and the knobs that make it fit: --activation_checkpointing
+first while it is off (with the doctor's figure of what it saves), a smaller --batch_size with
+more --grad_accum_steps (the same global batch), --cpu_offload under fsdp where the sharded
+state itself does not fit. Every size in it is in binary units (core.units: MiB, GiB), the
+plan's as the GPU's.
 The run stops on every rank (errors.OutOfMemory: the first rank out of memory says it, the
-others leave), its last checkpoint untouched and its output folder let go of."""
+others leave, wherever they wait for it: in a collective too), its last checkpoint untouched
+and its output folder let go of. Never caught as any other error and gone on from on one rank
+alone: the ranks' collectives would fall out of step."""
 
 import contextlib
 import json
@@ -109,10 +114,8 @@ def fixes(cfg, report=None, gpu=None, checkpointable=True):
     knobs = []
     if cfg.activation_checkpointing == "none" and checkpointable:  # first: it trades no setting, only time
         knobs.append("--activation_checkpointing full" + checkpointing_saves(report))
-    if cfg.batch_size > 1:
-        knobs.append(
-            f"--batch_size {cfg.batch_size // 2} --grad_accum_steps {2 * cfg.grad_accum_steps} (the same global batch)"
-        )
+    if smaller := same_global_batch(cfg):
+        knobs.append(f"{smaller} (the same global batch)")
     if cfg.strategy == "ddp":
         knobs.append("--strategy fsdp")
     if cfg.amp != "bf16":
@@ -125,6 +128,16 @@ def fixes(cfg, report=None, gpu=None, checkpointable=True):
         elif not knobs:  # nothing else left to turn
             knobs.append("--cpu_offload")
     return ", ".join(knobs) or "more GPUs with --strategy fsdp"
+
+
+def same_global_batch(cfg):
+    """A smaller micro-batch and more accumulation steps with the global batch of now (their
+    product kept: 64 -> 32 x 2, 6 -> 3 x 2, 5 -> 1 x 5), by --batch_size's smallest factor; None at
+    --batch_size 1, where no smaller one is left."""
+    factor = next((f for f in range(2, cfg.batch_size + 1) if cfg.batch_size % f == 0), None)
+    if factor is None:
+        return None
+    return f"--batch_size {cfg.batch_size // factor} --grad_accum_steps {factor * cfg.grad_accum_steps}"
 
 
 def checkpointing_saves(report):
