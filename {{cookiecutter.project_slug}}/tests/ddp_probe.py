@@ -235,25 +235,46 @@ def stall_before_rename():
 
 
 def hold_sharded_save():
-    """Every rank holds in DCP's save of the sharded checkpoint of step $HOLD_SAVE_STEP until the
-    file $HOLD_SAVE_RELEASE exists (rank 0 prints a line as it starts holding): a save caught
-    half-way, its temporary folder prepared, no shard written yet."""
+    """Every rank holds in its save of the sharded checkpoint of step $HOLD_SAVE_STEP until the
+    file $HOLD_SAVE_RELEASE exists (rank 0 prints a line as it starts holding): with
+    $HOLD_SAVE_AT "write" (the default), in DCP's save, the temporary folder prepared and each
+    rank past its fence; with "fence", before the ranks' fence. Each rank prints a line as it
+    writes that checkpoint's shards."""
     import torch.distributed.checkpoint as dcp
 
+    from ddp_utils.checkpoint import sharded
+
     name, release = f"step_{int(os.environ['HOLD_SAVE_STEP']):09d}", Path(os.environ["HOLD_SAVE_RELEASE"])
+    at = os.environ.get("HOLD_SAVE_AT", "write")
+
+    def hold():
+        if RANK == 0:
+            print(f"PROBE holding the save of {name}", flush=True)
+        while not release.exists():
+            time.sleep(0.1)
 
     def holding(original):
         def save(*args, checkpoint_id=None, **kwargs):
             if name in str(checkpoint_id):
-                if RANK == 0:
-                    print(f"PROBE holding the save of {name}", flush=True)
-                while not release.exists():
-                    time.sleep(0.1)
+                print(f"PROBE rank {RANK} writes the shards of {name}", flush=True)
+                if at == "write":
+                    hold()
             return original(*args, checkpoint_id=checkpoint_id, **kwargs)
 
         return save
 
     dcp.save, dcp.async_save = holding(dcp.save), holding(dcp.async_save)
+    if at != "fence":
+        return
+    share = sharded.share_from_main
+
+    def share_then_hold(ctx, key, value, timeout_seconds):
+        shared = share(ctx, key, value, timeout_seconds)
+        if key == f"sharded_tmp_{name}":  # rank 0's temporary folder is made
+            hold()
+        return shared
+
+    sharded.share_from_main = share_then_hold
 
 
 def slow_second_save():

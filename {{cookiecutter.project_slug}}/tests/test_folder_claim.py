@@ -265,26 +265,34 @@ def test_a_one_file_save_woken_between_write_and_rename_puts_nothing_in_place(tm
     assert second.poll() is None
 
 
-def test_an_fsdp_takeover_during_a_save_leaves_the_new_owners_save_whole(tmp_path, start_slow_run):
+@pytest.mark.parametrize("stalled_at", ["write", "fence"])
+def test_an_fsdp_takeover_during_a_save_leaves_the_new_owners_save_whole(tmp_path, start_slow_run, stalled_at):
     """--strategy fsdp: the first run is stalled in its save of step 8, its temporary folder
-    made; a job started here takes the folder over, resumes step 4 and saves step 8 too, held
-    half-way; the first, continued, writes its shards and meets its fence: the new owner's
-    temporary folder is neither written into nor removed, and its step 8 is a whole checkpoint."""
+    made, in DCP's write (`write`) or before the ranks' fence (`fence`); a job started here
+    takes the folder over, resumes step 4 and saves step 8 too, held half-way; the first,
+    continued, stops with one line naming the new owner: stalled before its fence, no rank
+    writes a shard; in either case the new owner's temporary folder is neither written into
+    nor removed, and its step 8 is a whole checkpoint."""
     output_dir, first_log, second_log = tmp_path / "run", tmp_path / "first.log", tmp_path / "second.log"
     wake, release = tmp_path / "wake", tmp_path / "release"
     fsdp, probe = ["--strategy", "fsdp", "--epochs", "1"], "fast_claim,hold_sharded_save"
+    holds = {"HOLD_SAVE_STEP": "8", "HOLD_SAVE_AT": stalled_at}
     first = start_slow_run(output_dir, tmp_path / "never", log=first_log, probe=probe, another_machine=True, args=fsdp,
-                           env={"HOLD_SAVE_STEP": "8", "HOLD_SAVE_RELEASE": str(wake)})  # fmt: skip
+                           env={**holds, "HOLD_SAVE_RELEASE": str(wake)})  # fmt: skip
     wait_for_line("PROBE holding the save of step_000000008", first_log, first)
+    if stalled_at == "write":  # rank 1 too, not stalled on its way there
+        wait_for_line("PROBE rank 1 writes the shards of step_000000008", first_log, first)
     stalled = stall(first)
     mine = json.loads((output_dir / CLAIM_FILE).read_text())
     second = start_slow_run(output_dir, release, log=second_log, probe=probe, args=fsdp,
-                            env={"HOLD_SAVE_STEP": "8", "HOLD_SAVE_RELEASE": str(release)})  # fmt: skip
+                            env={**holds, "HOLD_SAVE_AT": "write", "HOLD_SAVE_RELEASE": str(release)})  # fmt: skip
     taken = wait_for_takeover(output_dir, mine["token"], second, second_log)
     wait_for_line("PROBE holding the save of step_000000008", second_log, second)
+    console = len(first_log.read_text())
     wake.touch()
     resume(stalled)
     stopped_alone(first, first_log, taken)
+    assert "writes the shards" not in first_log.read_text()[console:]  # fenced on every rank
     release.touch()
     wait_for(output_dir / "checkpoints" / "step_000000008", second)
     state = load_checkpoint(output_dir / "checkpoints" / "step_000000008")  # every shard there, trainer.pt too
