@@ -10,18 +10,25 @@ predict.py reads new rows the way training did.
 The table's knobs are the tabular task's DataConfig fields (dataset.py), read here by name:
 data_file, target, target_kind, ignore_columns, val_file, val_fraction, train_samples,
 val_samples, input_dim, num_classes and input_noise_std, besides --seed.
+
+A --data_file that is a URL (s3://bucket/prefix) or a folder with index.json names Parquet shards
+of those rows, already split and standardised (the tabular task's make_shards.py writes them):
+`RowShards` streams them through ddp_utils/data/shards.py, their index holding the sizes and the
+checkpoint's data state.
 """
 
 import csv
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .loaders import mix_seed
-from .rows import Rows
+from .loaders import Batch, mix_seed
+from .rows import Rows, gaussian_noise
+from .shards import ShardedDataset, ShardStore, check_cache, read_index, shown
 
 
 class TableFile:
@@ -290,3 +297,114 @@ class Table(Rows):
     def data_state(self):
         """What predict.py needs from the training rows, saved in every checkpoint."""
         return self.state
+
+
+# --- shards --------------------------------------------------------------------------------
+
+
+def as_data_file(error):
+    """shards.py's errors name --data_dir, the other tasks' flag: here it is --data_file."""
+    return ConfigError("data_file", error.problem) if error.field == "data_dir" else error
+
+
+def shard_index(cfg):
+    """The index of the row shards at --data_file, checked to be a table's."""
+    try:
+        index = read_index(cfg.data_file)
+    except ConfigError as error:
+        raise as_data_file(error) from None
+    if index.get("kind") != "rows":
+        raise ConfigError(
+            "data_file", f"{shown(cfg.data_file)} holds {index.get('kind')} shards, not rows of a table"
+        )
+    return index
+
+
+def resolve_shards(cfg):
+    """{input_dim, target_kind, num_classes} from the shards' index; the flags that chose the
+    columns when the shards were written must agree with it, or be left out."""
+    index = shard_index(cfg)
+    state = index["data_state"]
+    made = {"target": state["target"], "ignore_columns": index["ignore_columns"]}
+    for name, value in made.items():
+        if getattr(cfg, name) and getattr(cfg, name) != value:
+            raise ConfigError(name, f"is {getattr(cfg, name)!r}, but the shards of {shown(cfg.data_file)} were "
+                                    f"written with {value!r}: leave it out, or write shards with it")  # fmt: skip
+    resolved = {"input_dim": index["input_dim"], "target_kind": state["target_kind"], "num_classes": index["num_classes"]}
+    if cfg.target_kind not in ("auto", resolved["target_kind"]):
+        raise ConfigError("target_kind", f"is {cfg.target_kind}, but the shards hold {resolved['target_kind']} targets")
+    for name in ("input_dim", "num_classes"):
+        given = getattr(cfg, name)
+        if given and given != resolved[name]:
+            raise ConfigError(name, f"is {given}, but the shards of {shown(cfg.data_file)} have {resolved[name]}")
+    return resolved
+
+
+def first_of_shards(shards, count, flag, where):
+    """(shards, samples of each) holding the first `count` samples of a split (0 = all)."""
+    sizes = [shard["samples"] for shard in shards]
+    if count > sum(sizes):
+        raise ConfigError(flag, f"is {count} but the shards of {where} hold {sum(sizes)}")
+    if not count:
+        return shards, sizes
+    kept = []
+    for size in sizes:
+        if count <= 0:
+            break
+        kept.append(min(size, count))
+        count -= kept[-1]
+    return shards[: len(kept)], kept
+
+
+def table_shards(cfg):
+    """(train, val) RowShards from the shards at --data_file, through the node's cache."""
+    cache = cfg.stream_cache_dir or Path(tempfile.gettempdir()) / "ddp-shards"
+    try:
+        store = ShardStore(cfg.data_file, cache, cfg.stream_cache_gb)
+    except ConfigError as error:
+        raise as_data_file(error) from None
+    train = RowShards(store, "train", cfg, cfg.train_samples, "train_samples", cfg.input_noise_std)
+    return train, RowShards(store, "val", cfg, cfg.val_samples, "val_samples")
+
+
+class RowShards(ShardedDataset):
+    """The rows of Parquet shards (a fixed-size list column `x` of standardised features, and `y`:
+    class indices or standardised numbers), as Table serves them: a batch at a time, with the
+    same input noise drawn from (seed, epoch, index)."""
+
+    def __init__(self, store, split, cfg, count, flag, noise_std=0.0):
+        shards, sizes = first_of_shards(store.split(split), count, flag, shown(cfg.data_file))
+        check_cache(cfg, shards)
+        super().__init__(store, shards, sizes, cfg.stream_shuffle_shards)
+        self.state, self.seed, self.noise_std = store.index["data_state"], cfg.seed, noise_std
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by persistent workers
+
+    def set_epoch(self, epoch):
+        self.epoch.fill_(epoch)
+
+    def data_state(self):
+        """What predict.py needs, as make_shards.py took it from the training rows."""
+        return self.state
+
+    def open_shard(self, path):
+        import pyarrow.parquet  # noqa: PLC0415 - only for shards
+
+        table = pyarrow.parquet.read_table(path)
+        x = table.column("x").combine_chunks()
+        inputs = x.flatten().to_numpy().reshape(len(x), x.type.list_size)
+        return torch.from_numpy(inputs.copy()), torch.from_numpy(table.column("y").to_numpy().copy())
+
+    def read(self, opened, j):
+        return opened[0][j], opened[1][j]
+
+    def __getitem__(self, index):
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices):
+        rows = [super(RowShards, self).__getitem__(index) for index in indices]
+        inputs, targets = torch.stack([row[0] for row in rows]), torch.stack([row[1] for row in rows])
+        if self.noise_std > 0:
+            key = mix_seed(self.seed, "noise", int(self.epoch))
+            index = torch.as_tensor(indices, dtype=torch.int64)
+            inputs = inputs + self.noise_std * gaussian_noise(key, index, inputs.shape[1])
+        return Batch(inputs, targets)

@@ -10,6 +10,10 @@ checkpoint, so predict.py reads new rows the way training did. The table is read
 and standardised by ddp_utils/data/tables.py, the rows served a batch at a time by
 ddp_utils/data/rows.py: neither needs editing for a table of your own.
 
+A --data_file that is a URL (s3://bucket/prefix) or a folder with index.json is read in Parquet
+shards (make_shards.py writes them from the table; docs/streaming.md): rows already split and
+standardised, the checkpoint's statistics and label names from the shards' index.
+
 To train on other data, return your Datasets from `build_datasets` (each item an
 `(input, target)` pair) and add the knobs your data needs to DataConfig. The split across
 ranks, per-rank seeding and exact evaluation (ddp_utils/data/loaders.py) work unchanged for any
@@ -22,7 +26,8 @@ import torch
 
 from ddp_utils.data import mix_seed
 from ddp_utils.data.rows import Rows
-from ddp_utils.data.tables import resolve_table, table_datasets
+from ddp_utils.data.shards import is_sharded
+from ddp_utils.data.tables import resolve_shards, resolve_table, table_datasets, table_shards
 from ddp_utils.errors import ConfigError
 from ddp_utils.knobs import knob
 
@@ -34,7 +39,11 @@ SYNTHETIC = {"train_samples": 16384, "val_samples": 2048, "input_dim": 32, "num_
 class DataConfig:
     """The data's knobs: fields of Config, each a --flag."""
 
-    data_file: str = knob("", "a CSV or Parquet table to train on (.csv, .parquet); '' = the synthetic --dataset")
+    data_file: str = knob(
+        "",
+        "a CSV or Parquet table to train on (.csv, .parquet), or its shards: a URL or folder (make_shards.py); "
+        "'' = the synthetic --dataset",
+    )
     target: str = knob("", "the column of --data_file to predict")
     target_kind: str = knob(
         "auto",
@@ -74,13 +83,17 @@ class DataConfig:
             return
         if self.dataset != "synthetic":
             raise ConfigError("dataset", "chooses the synthetic data: leave it out with --data_file")
+        if is_sharded(self.data_file):
+            if self.val_file:
+                raise ConfigError("val_file", "does not apply to shards: make_shards.py wrote their validation rows")
+            return  # the rest is the index's (resolve_shards)
         if not self.target:
             raise ConfigError("target", "is needed with --data_file: the column to predict")
 
     def resolve_data(self):
         """Sizes and the kind of target, from --data_file's columns (or the synthetic sizes)."""
         if self.data_file:
-            return resolve_table(self)
+            return resolve_shards(self) if is_sharded(self.data_file) else resolve_table(self)
         sizes = {name: getattr(self, name) or value for name, value in SYNTHETIC.items()}
         return {**sizes, "target_kind": "regression" if self.dataset == "regression" else "classes"}
 
@@ -88,7 +101,7 @@ class DataConfig:
 def build_datasets(cfg):
     """Plug in your own data here: return (train_dataset, val_dataset)."""
     if cfg.data_file:
-        return table_datasets(cfg)
+        return table_shards(cfg) if is_sharded(cfg.data_file) else table_datasets(cfg)
     shape = dict(input_dim=cfg.input_dim, num_classes=cfg.num_classes, seed=cfg.seed)
     if cfg.dataset == "blobs":
         train = GaussianBlobs(cfg.train_samples, split="train", **shape)
