@@ -122,6 +122,10 @@ def _problem(error):
 def read_index(url):
     """The index.json of the shards at `url`, checked; ConfigError naming --data_dir if unreadable."""
     where = f"{shown(url)}/{INDEX}"
+    if shown(url) != url:  # it would be saved with the run's config.toml and its checkpoints
+        raise ConfigError(
+            "data_dir", f"{shown(url)} carries a password: give the store's client its credentials in the environment"
+        )
     try:
         fs, root = _filesystem(url.rstrip("/"))
         index = json.loads(_retried(f"reading {where}", lambda: fs.cat_file(f"{root}/{INDEX}")))
