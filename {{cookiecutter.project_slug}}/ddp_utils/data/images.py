@@ -12,12 +12,18 @@ Every image is decoded once before the first step (ImageFolder.check_samples): a
 stops the run at once, naming it, rather than hours in. Files that decoded fine are remembered
 by size and modification time in data_dir/.checked_images.json, so the next run skips them.
 
+Shards (a URL such as s3://bucket/prefix, or a folder with index.json; the vision task's
+make_shards.py writes them): Parquet files of each image's encoded bytes, its label and its path
+under data_dir, streamed by ddp_utils/data/shards.py (checked against their sha256, not decoded
+ahead); ImageShards decodes and transforms them as ImageFolder does its files.
+
 What the model sees of an image (its transforms) is the task's dataset.py's, handed to
-ImageFolder. Pillow is imported where an image is listed or read: the vision task's
+ImageFolder (or ImageShards). Pillow is imported where an image is listed or read: the vision task's
 dependency, not every project's.
 """
 
 import functools
+import io
 import json
 import os
 import tempfile
@@ -32,6 +38,7 @@ from torch.utils.data import Dataset
 from ..core.logs import warn_main
 from ..errors import ConfigError
 from .loaders import mix_seed
+from .shards import ShardedDataset, check_cache
 
 # --- the folder ----------------------------------------------------------------------------
 
@@ -311,3 +318,54 @@ class ImageFolder(Dataset):
         drop = set(indices)
         samples = [sample for index, sample in enumerate(self.samples) if index not in drop]
         return ImageFolder(samples, self.classes, self.root, self.transform, self.seed)
+
+
+# --- shards --------------------------------------------------------------------------------
+
+
+def decode_image(data, name):
+    """Encoded image bytes as a float tensor [3, H, W] in [0, 1]; OSError naming `name` if unreadable."""
+    try:
+        pixels = read_pixels(io.BytesIO(data))
+    except Exception as error:  # noqa: BLE001 - Pillow's plugins raise many kinds
+        raise OSError(f"cannot read image {name}: {problem_text(error)}") from None
+    return torch.from_numpy(pixels).permute(2, 0, 1)
+
+
+class ImageShards(ShardedDataset):
+    """(image, label) pairs from Parquet shards of (path, image bytes, label): `shards` and their
+    `sizes` of one split (the first of a split's samples: sizes may be cut), labels indexing
+    `classes`. As ImageFolder: training images (a `seed`) go through `transform(image, generator)`
+    seeded with (seed, epoch, index), validation images through `transform(image)`."""
+
+    def __init__(self, store, shards, sizes, cfg, classes, transform, seed=None):
+        check_cache(cfg, shards)
+        super().__init__(store, shards, sizes, cfg.stream_shuffle_shards)
+        self.classes, self.transform, self.seed = classes, transform, seed
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by persistent workers
+
+    def set_epoch(self, epoch):
+        self.epoch.fill_(epoch)
+
+    def data_state(self):
+        """Saved in every checkpoint: predict.py names the classes without the data."""
+        return {"classes": list(self.classes)}
+
+    def open_shard(self, path):
+        import pyarrow.parquet  # noqa: PLC0415 - only for shards
+
+        table = pyarrow.parquet.read_table(path)
+        return path.name, table.column("path").to_pylist(), table.column("image"), table.column("label").to_numpy()
+
+    def read(self, opened, j):
+        shard, paths, images, labels = opened
+        return decode_image(images[j].as_py(), f"{paths[j]} (in shard {shard})"), int(labels[j])
+
+    def __getitem__(self, index):
+        image, label = super().__getitem__(index)
+        if self.seed is not None:
+            generator = torch.Generator().manual_seed(mix_seed(self.seed, int(self.epoch), index))
+            image = self.transform(image, generator)
+        else:
+            image = self.transform(image)
+        return image, torch.tensor(label)

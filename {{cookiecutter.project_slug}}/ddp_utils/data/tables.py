@@ -314,9 +314,7 @@ def shard_index(cfg):
     except ConfigError as error:
         raise as_data_file(error) from None
     if index.get("kind") != "rows":
-        raise ConfigError(
-            "data_file", f"{shown(cfg.data_file)} holds {index.get('kind')} shards, not rows of a table"
-        )
+        raise ConfigError("data_file", f"{shown(cfg.data_file)} holds {index.get('kind')} shards, not rows of a table")
     return index
 
 
@@ -330,7 +328,11 @@ def resolve_shards(cfg):
         if getattr(cfg, name) and getattr(cfg, name) != value:
             raise ConfigError(name, f"is {getattr(cfg, name)!r}, but the shards of {shown(cfg.data_file)} were "
                                     f"written with {value!r}: leave it out, or write shards with it")  # fmt: skip
-    resolved = {"input_dim": index["input_dim"], "target_kind": state["target_kind"], "num_classes": index["num_classes"]}
+    resolved = {
+        "input_dim": index["input_dim"],
+        "target_kind": state["target_kind"],
+        "num_classes": index["num_classes"],
+    }
     if cfg.target_kind not in ("auto", resolved["target_kind"]):
         raise ConfigError("target_kind", f"is {cfg.target_kind}, but the shards hold {resolved['target_kind']} targets")
     for name in ("input_dim", "num_classes"):

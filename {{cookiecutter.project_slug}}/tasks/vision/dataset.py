@@ -5,6 +5,9 @@ number of processes and workers. Either layout:
     data_dir/train/<class>/*, data_dir/val/<class>/*    a split made by hand (val/ optional)
 
 `python prepare_data.py` writes a small real dataset in the second layout (handwritten digits).
+A `--data_dir` that is a URL (s3://bucket/prefix) or a folder with index.json is read in shards
+(make_shards.py writes them from an image folder; docs/streaming.md): the same images, decoded and
+transformed here the same way, the class names from the shards' index.
 Listing, splitting, decoding and checking the folder (a corrupt image stops the run before the
 first step, naming it) are ddp_utils/data/images.py's, the same for any image folder; what the
 model sees of an image is decided here (`augment`, `preprocess`).
@@ -23,7 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ddp_utils.data.images import ImageFolder, class_folders, first_of_shuffled, image_samples
+from ddp_utils.data.images import ImageFolder, ImageShards, class_folders, first_of_shuffled, image_samples
+from ddp_utils.data.shards import is_sharded, open_store, read_index, shown
+from ddp_utils.data.tables import first_of_shards
 from ddp_utils.errors import ConfigError
 from ddp_utils.knobs import knob
 
@@ -35,7 +40,9 @@ class DataConfig:
     """The data's knobs: fields of Config, each a --flag."""
 
     data_dir: str = knob(
-        DEMO_DATA_DIR, "image folder: <class>/ folders, or train/<class>/ and val/<class>/ (python prepare_data.py)"
+        DEMO_DATA_DIR,
+        "image folder: <class>/ folders, or train/<class>/ and val/<class>/ (python prepare_data.py); "
+        "or its shards: a URL or folder (make_shards.py)",
     )
     val_fraction: float = knob(
         0.1, "share of each class held out for validation where data_dir has no val/ folder (from --seed)"
@@ -69,10 +76,19 @@ def build_datasets(cfg):
     if 0 < getattr(cfg, "num_classes", 0) < len(classes):  # labels past the model's head: a cryptic CUDA assert
         problem = f"is {cfg.num_classes} but --data_dir {cfg.data_dir} has {len(classes)} classes"
         raise ConfigError("num_classes", problem)
+    augmentation = partial(augment, image_size=cfg.image_size, min_crop_scale=cfg.min_crop_scale, hflip=cfg.hflip)
+    if is_sharded(cfg.data_dir):
+        store = open_store(cfg)
+        where = shown(cfg.data_dir)
+        train = first_of_shards(store.split("train"), cfg.train_samples, "train_samples", where)
+        val = first_of_shards(store.split("val"), cfg.val_samples, "val_samples", where)
+        return (
+            ImageShards(store, *train, cfg, classes, augmentation, seed=cfg.seed),
+            ImageShards(store, *val, cfg, classes, partial(preprocess, image_size=cfg.image_size)),
+        )
     train, val = image_samples(cfg.data_dir, classes, cfg.val_fraction, cfg.seed, fix=missing_images_fix(cfg.data_dir))
     train = first_of_shuffled(train, cfg.train_samples, "train_samples")
     val = first_of_shuffled(val, cfg.val_samples, "val_samples")
-    augmentation = partial(augment, image_size=cfg.image_size, min_crop_scale=cfg.min_crop_scale, hflip=cfg.hflip)
     return (
         ImageFolder(train, classes, cfg.data_dir, augmentation, seed=cfg.seed),
         ImageFolder(val, classes, cfg.data_dir, partial(preprocess, image_size=cfg.image_size)),
@@ -80,7 +96,13 @@ def build_datasets(cfg):
 
 
 def class_names(data_dir):
-    """The class folders, sorted: their positions are the labels (model.py counts them)."""
+    """The class folders, sorted: their positions are the labels (model.py counts them); of shards,
+    their index's."""
+    if is_sharded(data_dir):
+        index = read_index(data_dir)
+        if index.get("kind") != "images":
+            raise ConfigError("data_dir", f"{shown(data_dir)} holds {index.get('kind')} shards, not images")
+        return index["classes"]
     return class_folders(data_dir, fix=missing_images_fix(data_dir))
 
 

@@ -128,7 +128,7 @@ def test_a_corrupt_shard_stops_with_one_line_naming_it(store, tmp_path):
     key = "corrupt/train-00003.parquet"
     size = client.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
     client.put_object(Bucket=BUCKET, Key=key, Body=b"\xff" * size)
-    result = run_training(tmp_path, *ARGS, *ONE, *streamed(tmp_path / "cache", f"s3://{BUCKET}/corrupt"),
+    result = run_training(tmp_path, *ARGS, *ONE, *streamed(tmp_path / "cache", f"s3://{BUCKET}/corrupt", workers=0),
                           "--epochs", "1", env=store.env, check=False)  # fmt: skip
     assert result.returncode != 0
     lines = [line for line in (result.stdout + result.stderr).splitlines() if f"s3://{BUCKET}/{key}" in line]
