@@ -136,8 +136,9 @@ def saved_step(output_dir):
 
 
 def being_written(output_dir, step):
-    """Whether the checkpoint of `step` is being written (its temporary folder exists)."""
-    return (output_dir / "checkpoints" / f".step_{step:09d}.tmp").exists()
+    """Whether the checkpoint of `step` is being written (its temporary folder exists, named
+    for its writer: .step_<step>.<writer>.tmp)."""
+    return any((output_dir / "checkpoints").glob(f".step_{step:09d}.*.tmp"))
 
 
 def process_state(pid):
