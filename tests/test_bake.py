@@ -180,7 +180,7 @@ SECONDS = {
     "test_chaos.py": 120,
     "test_config.py test_data.py test_diagnosis.py test_progress.py": 115,
     "test_doctor.py test_out_of_memory.py test_inference.py test_schedule.py test_contract.py": 115,  # on 2 workers (150 s on one)
-    "test_sweep.py": 100,
+    "test_sweep.py": 125,
     "test_observability.py": 85,
     "cluster/test_sweep_array.py": 70,
     "cluster/test_slurm.py": 60,
