@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-# bench/ has scripts named like the libraries (streaming.py): `import streaming` must find the library
+# bench/ comes first on sys.path: a script named like a library (streaming.py) must never shadow it
 sys.path[:] = [path for path in sys.path if Path(path or ".").resolve() != BENCH]
 PROJECT = BENCH.parent / "{{cookiecutter.project_slug}}"
 SEED, EPOCHS = 0, 2

@@ -138,7 +138,7 @@ def test_bad_answers_stop_with_one_line_and_leave_nothing(tmp_path, answer, prom
 
 GENERATED_TESTS = TEMPLATE / "{{cookiecutter.project_slug}}" / "tests"
 # The default task's own tests (tasks/language/tests/) join the shared ones in its bake.
-TASK_TESTS = TEMPLATE / "{{cookiecutter.project_slug}}" / "tasks" / "language" / "tests"
+LANGUAGE_TESTS = TEMPLATE / "{{cookiecutter.project_slug}}" / "tasks" / "language" / "tests"
 GENERATED_TEST_MODULES = sorted(
     str(p.relative_to(GENERATED_TESTS)) for p in GENERATED_TESTS.rglob("test_*.py")
 ) + sorted(p.name for p in TASK_TESTS.glob("test_*.py"))

@@ -3,8 +3,8 @@
 same windows from a local shards folder and the local token file (the memmap), as train.py
 builds the loader (build_loaders), with 0 and 2 DataLoader workers.
 
-    .venv/bin/python bench/streaming.py             # 8 MB of tokens, 1 MiB shards, 3 rounds
-    .venv/bin/python bench/streaming.py --tiny      # the script's path, not its numbers
+    .venv/bin/python bench/streamed_data.py             # 8 MB of tokens, 1 MiB shards, 3 rounds
+    .venv/bin/python bench/streamed_data.py --tiny      # the script's path, not its numbers
 
 The store is moto's S3 server on this machine (the generated tests' tests/object_store.py),
 reached over HTTP by s3fs: it measures our reading, caching and checking, not a network. Each
