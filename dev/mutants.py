@@ -1545,6 +1545,15 @@ MUTANTS = [
         '''f"{sweep.path}: sweep.storage {url}: cannot open it: {masked(first, url)}"''',
         (f"{SWEEP}::test_a_storage_urls_password_is_never_printed",),
     ),
+    Mutant(
+        "row_shards_epoch_not_shared",
+        "a table's shards: persistent DataLoader workers keep the epoch they started with (input noise of epoch 0 forever)",
+        "ddp_utils/data/tables.py",
+        "self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by persistent workers",
+        "self.epoch = torch.zeros((), dtype=torch.int64)  # seen by persistent workers",
+        (f"{STREAMING}::test_sigterm_mid_epoch_then_the_same_command_resumes_exactly",),
+        task="tabular",
+    ),
 ]
 
 

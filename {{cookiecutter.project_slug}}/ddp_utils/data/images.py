@@ -264,20 +264,16 @@ def check_file(path, checked):
 # --- the dataset ---------------------------------------------------------------------------
 
 
-class ImageFolder(Dataset):
-    """(image, label) pairs from a list of (path, label) under `root` (data_dir), labels
-    indexing `classes`; each image decoded (load_image) and then transformed by `transform`.
+class Augmented:
+    """What ImageFolder and ImageShards share: the labels' `classes`, the epoch, and each image's
+    `transform`. Training images (a `seed` given) go through `transform(image, generator)`, the
+    generator seeded with (seed, epoch, index): the same whichever rank or DataLoader worker
+    loads the image, so any world size, any number of workers and a resumed run see exactly the
+    same images. Validation images (no seed) go through `transform(image)`: nothing random.
+    Workers get `transform` pickled: a function of a module, or a functools.partial of one."""
 
-    Training images (a `seed` given) go through `transform(image, generator)`, the generator
-    seeded with (seed, epoch, index): the same whichever rank or DataLoader worker loads the
-    image, so any world size, any number of workers and a resumed run see exactly the same
-    images. Validation images (no seed) go through `transform(image)`: nothing random. Workers
-    get `transform` pickled: a function of a module, or a functools.partial of one.
-    """
-
-    def __init__(self, samples, classes, root, transform, seed=None):
-        self.samples, self.classes, self.root = samples, classes, root
-        self.transform, self.seed = transform, seed
+    def augmented(self, classes, transform, seed):
+        self.classes, self.transform, self.seed = classes, transform, seed
         # Shared memory: persistent DataLoader workers keep their copy of the dataset across
         # epochs, and still see the epoch the main process sets.
         self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -285,12 +281,11 @@ class ImageFolder(Dataset):
     def set_epoch(self, epoch):
         self.epoch.fill_(epoch)
 
-    def __len__(self):
-        return len(self.samples)
+    def data_state(self):
+        """Saved in every checkpoint: predict.py names the classes without the data."""
+        return {"classes": list(self.classes)}
 
-    def __getitem__(self, index):
-        path, label = self.samples[index]
-        image = load_image(path)
+    def transformed(self, image, label, index):
         if self.seed is not None:
             generator = torch.Generator().manual_seed(mix_seed(self.seed, int(self.epoch), index))
             image = self.transform(image, generator)
@@ -298,9 +293,21 @@ class ImageFolder(Dataset):
             image = self.transform(image)
         return image, torch.tensor(label)
 
-    def data_state(self):
-        """Saved in every checkpoint: predict.py names the classes without the data folder."""
-        return {"classes": list(self.classes)}
+
+class ImageFolder(Augmented, Dataset):
+    """(image, label) pairs from a list of (path, label) under `root` (data_dir), labels
+    indexing `classes`; each image decoded (load_image), then transformed (Augmented)."""
+
+    def __init__(self, samples, classes, root, transform, seed=None):
+        self.samples, self.root = samples, root
+        self.augmented(classes, transform, seed)
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        path, label = self.samples[index]
+        return self.transformed(load_image(path), label, index)
 
     def check_samples(self, indices):
         """{index: "path: problem"} of the images at `indices` that do not decode, each decoded
@@ -332,24 +339,15 @@ def decode_image(data, name):
     return torch.from_numpy(pixels).permute(2, 0, 1)
 
 
-class ImageShards(ShardedDataset):
+class ImageShards(Augmented, ShardedDataset):
     """(image, label) pairs from Parquet shards of (path, image bytes, label): `shards` and their
     `sizes` of one split (the first of a split's samples: sizes may be cut), labels indexing
-    `classes`. As ImageFolder: training images (a `seed`) go through `transform(image, generator)`
-    seeded with (seed, epoch, index), validation images through `transform(image)`."""
+    `classes`; each image decoded, then transformed as ImageFolder's (Augmented)."""
 
     def __init__(self, store, shards, sizes, cfg, classes, transform, seed=None):
         check_cache(cfg, shards)
-        super().__init__(store, shards, sizes, cfg.stream_shuffle_shards)
-        self.classes, self.transform, self.seed = classes, transform, seed
-        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by persistent workers
-
-    def set_epoch(self, epoch):
-        self.epoch.fill_(epoch)
-
-    def data_state(self):
-        """Saved in every checkpoint: predict.py names the classes without the data."""
-        return {"classes": list(self.classes)}
+        ShardedDataset.__init__(self, store, shards, sizes, cfg.stream_shuffle_shards)
+        self.augmented(classes, transform, seed)
 
     def open_shard(self, path):
         import pyarrow.parquet  # noqa: PLC0415 - only for shards
@@ -362,10 +360,4 @@ class ImageShards(ShardedDataset):
         return decode_image(images[j].as_py(), f"{paths[j]} (in shard {shard})"), int(labels[j])
 
     def __getitem__(self, index):
-        image, label = super().__getitem__(index)
-        if self.seed is not None:
-            generator = torch.Generator().manual_seed(mix_seed(self.seed, int(self.epoch), index))
-            image = self.transform(image, generator)
-        else:
-            image = self.transform(image)
-        return image, torch.tensor(label)
+        return self.transformed(*ShardedDataset.__getitem__(self, index), index)

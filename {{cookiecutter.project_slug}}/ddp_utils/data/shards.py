@@ -183,6 +183,22 @@ class ShardWriter:
             self.fs.pipe_file(path, data)
 
 
+def write_or_exit(destination, write):
+    """make_shards.py's last step: `write()` (its ShardWriter's index), then a line of what was
+    written; a failure is one line naming the destination (the store's client names the cause:
+    credentials, a bucket, the network), exit status 2."""
+    from ..knobs import exit_with_error  # noqa: PLC0415 - a command's exit, not the loaders'
+
+    try:
+        index = write()
+    except InputError as error:
+        exit_with_error(str(error))
+    except Exception as error:  # noqa: BLE001 - any store's client error, named in the line
+        exit_with_error(f"writing to {shown(destination)}: {type(error).__name__}: {error}")
+    counts = {split: len(shards) for split, shards in index["splits"].items()}
+    print(f"wrote {counts['train']} train and {counts['val']} val shards to {shown(destination)}")
+
+
 class ShardStore:
     """The shards at `url`: its index, and each shard as a verified local file.
 

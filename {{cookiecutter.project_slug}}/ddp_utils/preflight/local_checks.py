@@ -167,7 +167,7 @@ def check_data_store(data_dir, local_rank):
     try:
         seconds, size, epoch = time_download(data_dir)
     except (InputError, DataUnavailable) as error:
-        raise PreflightError(f"--data_dir {shown(data_dir)}: {error}") from None
+        raise PreflightError(f"{shown(data_dir)}: {error}") from None
     rate = size / max(seconds, 1e-9)
     return (
         f"data: a {size_text(size)} shard of {shown(data_dir)} fetched and checked in {seconds:.3g} s "

@@ -255,7 +255,8 @@ def main(task, argv=None):
         say(rank, check_place(env), lines)
         say(rank, check_gpus(env, cfg.device), lines)
         say(rank, check_network_identity(), lines)
-        data_line = check_data_store(cfg.data_dir, env["LOCAL_RANK"]) if hasattr(cfg, "data_dir") else None
+        source = getattr(cfg, "data_dir", "") or getattr(cfg, "data_file", "")  # the tabular task's is --data_file
+        data_line = check_data_store(source, env["LOCAL_RANK"]) if source else None
         if data_line:
             say(rank, data_line, lines)
         device = choose_device(env["LOCAL_RANK"], cfg.device)

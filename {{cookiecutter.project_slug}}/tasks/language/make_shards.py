@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dataset import DEFAULT_DATA_DIR, token_file_meta
-from ddp_utils.data.shards import ShardWriter, shown
+from ddp_utils.data.shards import ShardWriter, write_or_exit
 from ddp_utils.errors import InputError
 from ddp_utils.knobs import OneLineParser, exit_with_error
 
@@ -37,9 +37,7 @@ def write_shards(data_dir, output_dir, shard_mb):
         for start in range(0, max(1, len(tokens) - 1), per_shard):
             piece = np.ascontiguousarray(tokens[start : start + per_shard + 1])
             writer.add(split, piece.tobytes(), len(piece))
-    index = writer.close({"kind": "tokens", **meta})
-    counts = {split: len(shards) for split, shards in index["splits"].items()}
-    print(f"wrote {counts['train']} train and {counts['val']} val shards to {shown(output_dir)}")
+    return writer.close({"kind": "tokens", **meta})
 
 
 def main():
@@ -52,12 +50,7 @@ def main():
     args = parser.parse_args()
     if args.shard_mb <= 0:
         exit_with_error(f"--shard_mb must be greater than 0, got {args.shard_mb}")
-    try:
-        write_shards(args.data_dir, args.output_dir, args.shard_mb)
-    except InputError as error:
-        exit_with_error(str(error))
-    except Exception as error:  # noqa: BLE001 - the store's client: credentials, a bucket, the network
-        exit_with_error(f"writing to {shown(args.output_dir)}: {type(error).__name__}: {error}")
+    write_or_exit(args.output_dir, lambda: write_shards(args.data_dir, args.output_dir, args.shard_mb))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import numpy as np
 
 from config import Config
 from ddp_utils.configuration import parse_config
-from ddp_utils.data.shards import ShardWriter, is_sharded, shown
+from ddp_utils.data.shards import ShardWriter, is_sharded, shown, write_or_exit
 from ddp_utils.data.tables import table_datasets
 from ddp_utils.errors import InputError
 from ddp_utils.knobs import OneLineParser, exit_with_error
@@ -57,9 +57,7 @@ def write_shards(cfg, output_dir, shard_mb):
                        suffix=".parquet")  # fmt: skip
     classes = len(state.get("classes", ()))
     facts = {"kind": "rows", "input_dim": width, "num_classes": classes, "ignore_columns": cfg.ignore_columns}
-    index = writer.close({**facts, "data_state": state})
-    counts = {split: len(shards) for split, shards in index["splits"].items()}
-    print(f"wrote {counts['train']} train and {counts['val']} val shards to {shown(output_dir)}")
+    return writer.close({**facts, "data_state": state})
 
 
 def main():
@@ -73,12 +71,7 @@ def main():
     if "-h" in rest or "--help" in rest:
         print("make_shards.py --output_dir DIR_OR_URL [--shard_mb MiB, default 64] and train.py's data flags:\n")
     cfg = parse_config(Config, rest)
-    try:
-        write_shards(cfg, args.output_dir, args.shard_mb)
-    except InputError as error:
-        exit_with_error(str(error))
-    except Exception as error:  # noqa: BLE001 - the store's client: credentials, a bucket, the network
-        exit_with_error(f"writing to {shown(args.output_dir)}: {type(error).__name__}: {error}")
+    write_or_exit(args.output_dir, lambda: write_shards(cfg, args.output_dir, args.shard_mb))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from dataset import build_datasets
 from ddp_utils.configuration import parse_config
 from ddp_utils.data import mix_seed
 from ddp_utils.data.images import decode_image
-from ddp_utils.data.shards import ShardWriter, is_sharded, shown
+from ddp_utils.data.shards import ShardWriter, is_sharded, shown, write_or_exit
 from ddp_utils.errors import InputError
 from ddp_utils.knobs import OneLineParser, exit_with_error
 
@@ -65,9 +65,7 @@ def write_shards(cfg, output_dir, shard_mb):
                 shard, size = ([], [], []), 0
         if shard[0]:
             writer.add(split, parquet_bytes(*shard), len(shard[0]), suffix=".parquet")
-    index = writer.close({"kind": "images", "classes": list(train.classes)})
-    counts = {split: len(shards) for split, shards in index["splits"].items()}
-    print(f"wrote {counts['train']} train and {counts['val']} val shards to {shown(output_dir)}")
+    return writer.close({"kind": "images", "classes": list(train.classes)})
 
 
 def main():
@@ -81,12 +79,7 @@ def main():
     if "-h" in rest or "--help" in rest:
         print("make_shards.py --output_dir DIR_OR_URL [--shard_mb MiB, default 64] and train.py's data flags:\n")
     cfg = parse_config(Config, rest, resolve=False)
-    try:
-        write_shards(cfg, args.output_dir, args.shard_mb)
-    except InputError as error:
-        exit_with_error(str(error))
-    except Exception as error:  # noqa: BLE001 - the store's client: credentials, a bucket, the network
-        exit_with_error(f"writing to {shown(args.output_dir)}: {type(error).__name__}: {error}")
+    write_or_exit(args.output_dir, lambda: write_shards(cfg, args.output_dir, args.shard_mb))
 
 
 if __name__ == "__main__":
