@@ -10,20 +10,14 @@ can cut one download half-way, and can play unreachable.
 import http.client
 import http.server
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 
 SECRET = "test-secret-key-never-printed"  # the tests look for it in every output
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ObjectStore:
@@ -31,7 +25,7 @@ class ObjectStore:
         self.downloads = Counter()  # key -> GETs of it
         self.cuts = set()
         self.down = False
-        self.port = free_port()
+        self.port = None  # moto's, once started
 
     @property
     def env(self):
@@ -46,18 +40,23 @@ class ObjectStore:
         self.cuts.add(key)
 
     def __enter__(self):
+        # Port 0: the server binds a free port itself and prints it (a port chosen here and bound
+        # there could be taken meanwhile by another test's process).
         self.server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                assert self.server.poll() is None and time.monotonic() < deadline, "moto's server did not start"
-                time.sleep(0.2)
+        started = threading.Event()
+
+        def read_log():  # the port, then the request log drained for good (a full pipe would stall the server)
+            for line in self.server.stderr:
+                found = re.search(r"Running on http://127\.0\.0\.1:(\d+)", line)
+                if found and not started.is_set():
+                    self.port = int(found.group(1))
+                    started.set()
+
+        threading.Thread(target=read_log, daemon=True).start()
+        assert started.wait(120), "moto's server did not start"
         self.proxy = Proxy(("127.0.0.1", 0), _handler(self))
         threading.Thread(target=self.proxy.serve_forever, daemon=True).start()
         return self
