@@ -14,8 +14,10 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import (
     ARGS,
     ONE,
@@ -38,7 +40,7 @@ from conftest import (
 from object_store import SECRET, ObjectStore, without_credentials
 
 from dataset import TokenShards
-from ddp_utils.data.loaders import ShardedSampler
+from ddp_utils.data.loaders import build_loaders
 from ddp_utils.data.shards import ShardStore
 
 WINDOWS, SHARDS = 1024, 8
@@ -107,6 +109,13 @@ def assert_close_parameters(output_dir, reference_dir):
         assert relative_difference(ours[key], theirs[key]) < run_tolerance(), key
 
 
+def training_samplers(cfg, data, world, global_batch):
+    """Each rank's training sampler for `world` processes, as train.py builds it (build_loaders)."""
+    cfg = dataclasses.replace(cfg, batch_size=global_batch // world, grad_accum_steps=1, num_workers=0)
+    contexts = [SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu")) for rank in range(world)]
+    return [build_loaders(cfg, ctx, data, data)[0].sampler for ctx in contexts]
+
+
 def test_every_sample_once_an_epoch_in_one_order_for_any_world_size(store):
     """The shards' order: each window once an epoch, the same global batches for 1, 2 and 4
     processes, a new order each epoch, a few shards at a time; a resume's order is the rest."""
@@ -117,7 +126,7 @@ def test_every_sample_once_an_epoch_in_one_order_for_any_world_size(store):
     global_batch = 64
     orders, raw = {}, None
     for world in (1, 2, 4):
-        samplers = [ShardedSampler(len(data), global_batch, r, world, 0, data.epoch_order) for r in range(world)]
+        samplers = training_samplers(cfg, data, world, global_batch)
         for sampler in samplers:
             sampler.set_epoch(1)
         ranks = [list(sampler) for sampler in samplers]
@@ -132,7 +141,7 @@ def test_every_sample_once_an_epoch_in_one_order_for_any_world_size(store):
     flat = [i for batch in orders[1] for i in batch]
     assert all(len({i // 128 for i in flat[s : s + 256]}) == 2 for s in range(0, WINDOWS, 256))
     assert data.epoch_order(0, 1).tolist() != data.epoch_order(0, 2).tolist()
-    resumed = ShardedSampler(len(data), global_batch, 0, 1, 0, data.epoch_order)
+    (resumed,) = training_samplers(cfg, data, 1, global_batch)
     resumed.set_epoch(1, start=320)
     assert list(resumed) == raw[320:]
 
