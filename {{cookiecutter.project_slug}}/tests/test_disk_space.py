@@ -171,7 +171,7 @@ def test_a_full_disk_stops_the_save_in_plain_words_and_the_same_command_resumes(
     step = last["step"]
     assert f"checkpoint of step {step} " not in line and "is not saved" in line
     small_disk.resize("50%")  # room again
-    resumed = run_training(output_dir, *args, probe="float64,slow")
+    resumed = run_training(output_dir, *args, probe="float64")  # not slowed: nothing is done to it mid-run
     assert f"step {step}" in resumed.stdout and "resumed from" in resumed.stdout
     assert_same_parameters(output_dir, reference.one)
     assert_same_metrics(output_dir, reference.one)

@@ -231,7 +231,7 @@ def test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1(tmp_path
     # checkpoint is due before the signal; its steps slowed until the signal (slow_until_stopped),
     # so that it lands mid-epoch however late the test sends it.
     command = ["scripts/launch.sh", *TINY, *ARGS, "--batch_size", "4", "--epochs", "1",
-               "--checkpoint_every_steps", "0", "--log_every_steps", "16", "--timeout_seconds", "10",
+               "--checkpoint_every_steps", "0", "--log_every_steps", "4", "--timeout_seconds", "10",
                "--output_dir", str(run_dir)]  # fmt: skip
     env = training_env({"NPROC_PER_NODE": "2", "NNODES": "1", "MASTER_ADDR": "", "PYTHONPATH": "tests",
                         "DDP_PROBE": "slow_checkpoint_write,slow_until_stopped"})  # fmt: skip
@@ -239,7 +239,7 @@ def test_a_checkpoint_slower_than_every_timeout_completes_under_sigusr1(tmp_path
                                start_new_session=True)  # fmt: skip
     try:
         wait_for(run_dir / "train.log", process)
-        while "step 16 loss" not in (run_dir / "train.log").read_text():  # training has started
+        while "step 4 loss" not in (run_dir / "train.log").read_text():  # training has started
             assert process.poll() is None, (tmp_path / "launch.log").read_text()
             time.sleep(0.1)
         process.send_signal(signal.SIGUSR1)
