@@ -119,30 +119,29 @@ def _problem(error):
     return f"{type(error).__name__}: {error}"
 
 
-def read_index(url):
-    """The index.json of the shards at `url`, checked; ConfigError naming --data_dir if unreadable."""
+def read_index(url, flag="data_dir"):
+    """The index.json of the shards at `url`, checked; a ConfigError naming --flag (the task's data
+    path) if it cannot be read."""
     where = f"{shown(url)}/{INDEX}"
     if shown(url) != url:  # it would be saved with the run's config.toml and its checkpoints
         raise ConfigError(
-            "data_dir", f"{shown(url)} carries a password: give the store's client its credentials in the environment"
+            flag, f"{shown(url)} carries a password: give the store's client its credentials in the environment"
         )
     try:
         fs, root = _filesystem(url.rstrip("/"))
         index = json.loads(_retried(f"reading {where}", lambda: fs.cat_file(f"{root}/{INDEX}")))
     except FileNotFoundError:
-        raise ConfigError(
-            "data_dir", f"{shown(url)} has no {INDEX}: write shards there with python make_shards.py"
-        ) from None
+        raise ConfigError(flag, f"{shown(url)} has no {INDEX}: write shards there with python make_shards.py") from None
     except ImportError as error:
         raise ConfigError(
-            "data_dir", f"is a URL, which needs the streaming extra: pip install -e '.[streaming]' ({error})"
+            flag, f"is a URL, which needs the streaming extra: pip install -e '.[streaming]' ({error})"
         ) from None
     except DataUnavailable as error:
-        raise ConfigError("data_dir", f"cannot be read: {error}") from None
+        raise ConfigError(flag, f"cannot be read: {error}") from None
     except ValueError as error:
-        raise ConfigError("data_dir", f"{where} is not readable JSON ({error})") from None
+        raise ConfigError(flag, f"{where} is not readable JSON ({error})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise ConfigError("data_dir", f"{where} is not a {FORMAT} index")
+        raise ConfigError(flag, f"{where} is not a {FORMAT} index")
     return index
 
 
@@ -155,10 +154,9 @@ class ShardWriter:
     def __init__(self, destination):
         self.destination = destination.rstrip("/")
         self.fs, self.root = _filesystem(self.destination)
-        self.splits = {}
+        self.splits, self.made = {}, False
         if self.fs.exists(f"{self.root}/{INDEX}"):
             raise InputError(f"{shown(destination)} already holds shards ({INDEX}): choose an empty --output_dir")
-        self.fs.makedirs(self.root, exist_ok=True)
 
     def add(self, split, data, samples, suffix=".bin"):
         shards = self.splits.setdefault(split, [])
@@ -174,6 +172,9 @@ class ShardWriter:
         return index
 
     def _put(self, name, data):
+        if not self.made:  # made with the first shard: input found bad before then leaves nothing behind
+            self.fs.makedirs(self.root, exist_ok=True)
+            self.made = True
         path = f"{self.root}/{name}"
         if "file" in self.fs.protocol:
             temporary = f"{path}.tmp{os.getpid()}"
@@ -206,12 +207,12 @@ class ShardStore:
     through the node's cache. Picklable before use: a DataLoader worker opens its own client.
     """
 
-    def __init__(self, url, cache_dir, cache_gb):
-        self.url = url.rstrip("/")
+    def __init__(self, url, cache_dir, cache_gb, flag="data_dir"):
+        self.url, self.flag = url.rstrip("/"), flag
         self.local = "://" not in url or url.startswith("file://")
         self.cache = Path(cache_dir) / hashlib.sha256(self.url.encode()).hexdigest()[:16]
         self.cache_bytes = int(cache_gb * 2**30)
-        self.index = read_index(self.url)
+        self.index = read_index(self.url, flag)
         self.shards = {shard["name"]: shard for shards in self.index["splits"].values() for shard in shards}
         self.checked = set()
         self._fs = None
@@ -229,7 +230,7 @@ class ShardStore:
         """[{"name", "samples", "bytes", "sha256"}, ...] of one split."""
         shards = self.index["splits"].get(name)
         if not shards:
-            raise ConfigError("data_dir", f"{shown(self.url)}/{INDEX} has no {name} shards")
+            raise ConfigError(self.flag, f"{shown(self.url)}/{INDEX} has no {name} shards")
         return shards
 
     def path(self, name):
@@ -384,6 +385,22 @@ class ShardedDataset(Dataset):
         return None
 
 
+def first_of_shards(shards, count, flag, where):
+    """(shards, samples of each) holding the first `count` samples of a split (0 = all)."""
+    sizes = [shard["samples"] for shard in shards]
+    if count > sum(sizes):
+        raise ConfigError(flag, f"is {count} but the shards of {where} hold {sum(sizes)}")
+    if not count:
+        return shards, sizes
+    kept = []
+    for size in sizes:
+        if count <= 0:
+            break
+        kept.append(min(size, count))
+        count -= kept[-1]
+    return shards[: len(kept)], kept
+
+
 def check_cache(cfg, shards):
     """The cache must hold the shards an epoch reads at once (--stream_shuffle_shards), and one more."""
     if cfg.stream_shuffle_shards < 1:
@@ -399,10 +416,11 @@ def check_cache(cfg, shards):
         )
 
 
-def open_store(cfg):
-    """The ShardStore of --data_dir, its cache in --stream_cache_dir (default: the system's temporary folder)."""
+def open_store(cfg, flag="data_dir"):
+    """The ShardStore at --flag (the task's data path), its cache in --stream_cache_dir (default:
+    the system's temporary folder)."""
     cache = cfg.stream_cache_dir or Path(tempfile.gettempdir()) / "ddp-shards"
-    return ShardStore(cfg.data_dir, cache, cfg.stream_cache_gb)
+    return ShardStore(getattr(cfg, flag), cache, cfg.stream_cache_gb, flag)
 
 
 def time_download(url):

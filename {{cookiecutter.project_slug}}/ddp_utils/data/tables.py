@@ -11,37 +11,47 @@ The table's knobs are the tabular task's DataConfig fields (dataset.py), read he
 data_file, target, target_kind, ignore_columns, val_file, val_fraction, train_samples,
 val_samples, input_dim, num_classes and input_noise_std, besides --seed.
 
-A --data_file that is a URL (s3://bucket/prefix) or a folder with index.json names Parquet shards
-of those rows, already split and standardised (the tabular task's make_shards.py writes them):
-`RowShards` streams them through ddp_utils/data/shards.py, their index holding the sizes and the
-checkpoint's data state.
+A table is read a chunk of rows at a time (`table_chunks`): read whole for training
+here, or streamed through, never whole, by table_shards.py, which writes the same rows as Parquet
+shards (a --data_file that is a URL or a folder with index.json). The statistics are summed chunk
+by chunk (`Moments`) on both paths, so both give the same rows to the bit.
 """
 
 import csv
-import os
-import tempfile
+import itertools
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .loaders import Batch, mix_seed
-from .rows import Rows, gaussian_noise
-from .shards import ShardedDataset, ShardStore, check_cache, read_index, shown
+from .loaders import mix_seed
+from .rows import Rows
+
+# Values (rows x columns) read at a time: a chunk is a few MB in memory, text and all.
+CHUNK_VALUES = 2**18
+
+
+def chunk_rows(columns):
+    """Rows of a chunk of a table with `columns` columns: its statistics are summed a chunk at a time."""
+    return max(64, CHUNK_VALUES // columns)
 
 
 class TableFile:
-    """A table's columns by name, each a NumPy array (numbers, or text as objects). `flag` and
-    `path` name it in errors. CSV: the first line names the columns."""
+    """A table's columns by name, each a NumPy array (numbers, or text as objects), or a chunk of
+    them whose first row is data row `first_row + 1`. `flag` and `path` name it in errors."""
 
-    def __init__(self, flag, path, columns):
-        self.flag, self.path, self.columns = flag, path, columns
+    def __init__(self, flag, path, columns, first_row=0):
+        self.flag, self.path, self.columns, self.first_row = flag, path, columns, first_row
         self.rows = len(next(iter(columns.values()))) if columns else 0
 
     def error(self, problem):
         """A ConfigError that reads `--data_file PATH: problem`."""
         return ConfigError(self.flag, f"{self.path}: {problem}")
+
+    def row(self, i):
+        """Row i's number in the file's data rows, from 1 (as a spreadsheet shows it, less the header)."""
+        return self.first_row + i + 1
 
     def column(self, name):
         if name not in self.columns:
@@ -63,10 +73,10 @@ class TableFile:
                 try:
                     numbers[row] = float(value)
                 except (TypeError, ValueError):
-                    raise self.error(f"column {name!r} {describe(value)} in data row {row + 1}: {why}") from None
+                    raise self.error(f"column {name!r} {describe(value)} in data row {self.row(row)}: {why}") from None
         bad = np.flatnonzero(~np.isfinite(numbers))
         if len(bad):
-            raise self.error(f"column {name!r} {describe(values[bad[0]])} in data row {bad[0] + 1}: {why}")
+            raise self.error(f"column {name!r} {describe(values[bad[0]])} in data row {self.row(bad[0])}: {why}")
         return numbers
 
     def labels(self, name):
@@ -75,7 +85,7 @@ class TableFile:
         text = []
         for row, value in enumerate(self.column(name)):
             if is_missing(value):
-                raise self.error(f"column {name!r} is empty in data row {row + 1}: every row needs its label")
+                raise self.error(f"column {name!r} is empty in data row {self.row(row)}: every row needs its label")
             is_whole = isinstance(value, (float, np.floating)) and value == int(value)
             text.append(str(int(value)) if is_whole else str(value).strip())
         return np.array(text, dtype=object)
@@ -94,77 +104,107 @@ def describe(value):
     return f"holds text ({str(value)!r})"
 
 
-_read_tables = {}  # (path, size, mtime): TableFile, so resolving the config and building the data read it once
-
-
 def read_table(path, flag):
-    """The table at `path` (.csv, .parquet), or a ConfigError naming --flag and the file."""
-    try:
-        stat = os.stat(path)
-    except OSError as error:
-        raise ConfigError(flag, f"{path}: cannot read it ({error.strerror})") from None
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _read_tables:
-        suffix = Path(path).suffix.lower()
-        if suffix == ".csv":
-            columns = read_csv(path, flag)
-        elif suffix in (".parquet", ".pq"):
-            columns = read_parquet(path, flag)
-        else:
-            raise ConfigError(flag, f"{path}: not a .csv or .parquet file")
-        table = TableFile(flag, path, columns)
-        if table.rows == 0:
-            raise table.error("no data rows")
-        if len(_read_tables) > 1:  # --data_file and --val_file: nothing older is read again
-            _read_tables.clear()
-        _read_tables[key] = table
-    return _read_tables[key]
+    """The table at `path` (.csv, .parquet) whole, or a ConfigError naming --flag and the file."""
+    chunks = list(table_chunks(path, flag))
+    names = chunks[0].columns
+    return TableFile(flag, path, {name: np.concatenate([chunk.columns[name] for chunk in chunks]) for name in names})
 
 
-def read_csv(path, flag):
+def table_chunks(path, flag):
+    """The table at `path` (.csv, .parquet) as TableFiles of chunk_rows(its columns) rows (the last
+    fewer), read as they are used; a file that cannot be read, or has no data rows, is a ConfigError naming --flag."""
+    if not Path(path).is_file():
+        raise ConfigError(flag, f"{path}: cannot read it (no such file)")
+    suffix = Path(path).suffix.lower()
+    if suffix == ".csv":
+        batches = csv_chunks(path, flag)
+    elif suffix in (".parquet", ".pq"):
+        batches = parquet_chunks(path, flag)
+    else:
+        raise ConfigError(flag, f"{path}: not a .csv or .parquet file")
+    done = 0
+    for columns in batches:
+        chunk = TableFile(flag, path, columns, first_row=done)
+        done += chunk.rows
+        yield chunk
+    if done == 0:
+        raise ConfigError(flag, f"{path}: no data rows")
+
+
+def csv_chunks(path, flag):
+    """{column: text values} of chunk_rows() data rows at a time; the first line names the columns."""
     with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel's byte-order mark
+        rows = (row for row in csv.reader(f) if row)  # blank lines skipped
         try:
-            rows = list(csv.reader(f))
+            header = [name.strip() for name in next(rows, [])]
+            if not header:
+                raise ConfigError(flag, f"{path} is empty: the first line must name the columns")
+            duplicated = sorted({name for name in header if header.count(name) > 1})
+            if duplicated or "" in header:
+                problem = duplicated or "an empty name"
+                raise ConfigError(flag, f"{path}: the first line must name every column once ({problem})")
+            done = 0
+            while chunk := list(itertools.islice(rows, chunk_rows(len(header)))):
+                for number, row in enumerate(chunk, start=done + 1):
+                    if len(row) != len(header):
+                        problem = f"data row {number} has {len(row)} fields, the header {len(header)}"
+                        raise ConfigError(flag, f"{path}: {problem}")
+                done += len(chunk)
+                yield {name: np.array([row[i] for row in chunk], dtype=object) for i, name in enumerate(header)}
         except (csv.Error, UnicodeDecodeError) as error:
             raise ConfigError(flag, f"{path} is not a readable CSV file ({error})") from None
-    rows = [row for row in rows if row]  # blank lines
-    if not rows:
-        raise ConfigError(flag, f"{path} is empty: the first line must name the columns")
-    header = [name.strip() for name in rows[0]]
-    duplicated = sorted({name for name in header if header.count(name) > 1})
-    if duplicated or "" in header:
-        raise ConfigError(flag, f"{path}: the first line must name every column once ({duplicated or 'an empty name'})")
-    for number, row in enumerate(rows[1:], start=1):
-        if len(row) != len(header):
-            raise ConfigError(flag, f"{path}: data row {number} has {len(row)} fields, the header {len(header)}")
-    return {name: np.array([row[i] for row in rows[1:]], dtype=object) for i, name in enumerate(header)}
 
 
-def read_parquet(path, flag):
+def parquet_chunks(path, flag):
+    """{column: values} of chunk_rows() rows at a time (numbers as numbers, the rest as objects)."""
     try:
+        import pyarrow as pa
         import pyarrow.parquet  # only for Parquet files: pip install pyarrow
     except ImportError:
         raise ConfigError(flag, f"{path} is a Parquet file, which needs pyarrow: pip install pyarrow") from None
     try:
-        table = pyarrow.parquet.read_table(path)
+        file = pyarrow.parquet.ParquetFile(path)
+        size = chunk_rows(len(file.schema_arrow.names))
+        held, count = [], 0  # a file's row groups end where they do: whole chunks are cut from what is read
+        for batch in file.iter_batches(batch_size=size):
+            held.append(batch)
+            count += batch.num_rows
+            while count >= size:
+                table = pa.Table.from_batches(held)
+                yield parquet_columns(table.slice(0, size))
+                held, count = table.slice(size).to_batches(), count - size
+        if count:
+            yield parquet_columns(pa.Table.from_batches(held))
     except Exception as error:  # noqa: BLE001 - pyarrow's errors have no common base
         raise ConfigError(flag, f"{path} is not a readable Parquet file ({error})") from None
+
+
+def parquet_columns(table):
     columns = {}
     for name in table.column_names:
-        values = table.column(name).to_numpy(zero_copy_only=False)
+        values = table.column(name).to_numpy()
         columns[name] = values if values.dtype.kind in "biuf" else values.astype(object)
     return columns
 
 
 def resolve_table(cfg):
-    """{input_dim, target_kind, num_classes} from --data_file's columns (DataConfig.resolve_data);
-    an --input_dim or --num_classes given that disagrees with the table is an error."""
-    table = read_table(cfg.data_file, "data_file")
-    columns = feature_columns(table, cfg)
-    kind = target_kind(table, cfg)
+    """{input_dim, target_kind, num_classes} from --data_file's columns (DataConfig.resolve_data),
+    read a chunk at a time; an --input_dim or --num_classes given that disagrees is an error."""
+    columns, kinds, names, missed = None, set(), set(), False
+    for chunk in table_chunks(cfg.data_file, "data_file"):
+        columns = columns or feature_columns(chunk, cfg)
+        kinds.add(cfg.target_kind if cfg.target_kind != "auto" else value_kind(chunk.column(cfg.target)))
+        if kinds & {"regression", "fraction"}:
+            missed = True  # numbers: labels only if text turns up later (then read again, below)
+        else:
+            names.update(chunk.labels(cfg.target).tolist())
+    kind = target_kind(kinds, cfg)
     resolved = {"input_dim": len(columns), "target_kind": kind, "num_classes": 0}
     if kind == "classes":
-        resolved["num_classes"] = len(label_names(table.labels(cfg.target)))
+        if missed:
+            names = {name for chunk in table_chunks(cfg.data_file, "data_file") for name in chunk.labels(cfg.target)}
+        resolved["num_classes"] = len(names)
         if resolved["num_classes"] < 2:
             raise ConfigError("target", f"{cfg.target!r} of {cfg.data_file} has one class only")
     for name in ("input_dim", "num_classes"):
@@ -186,18 +226,23 @@ def feature_columns(table, cfg):
     return columns
 
 
-def target_kind(table, cfg):
-    """classes or regression (auto: text and whole numbers are labels, other numbers are not)."""
-    if cfg.target_kind != "auto":
-        return cfg.target_kind
-    values = table.column(cfg.target)
+def value_kind(values):
+    """text, whole (numbers) or fraction (other numbers): what a target column's values are."""
     if values.dtype.kind in "biu":
-        return "classes"
+        return "whole"
     try:
         numbers = values.astype(np.float64)
     except (TypeError, ValueError):
-        return "classes"  # text
-    return "classes" if np.all(numbers == np.round(numbers)) else "regression"
+        return "text"
+    return "whole" if np.all(numbers == np.round(numbers)) else "fraction"
+
+
+def target_kind(kinds, cfg):
+    """classes or regression, from the value_kind of each chunk of the target column (auto: text
+    and whole numbers are labels, other numbers are not)."""
+    if cfg.target_kind != "auto":
+        return cfg.target_kind
+    return "regression" if "fraction" in kinds and "text" not in kinds else "classes"
 
 
 def label_names(labels):
@@ -223,41 +268,74 @@ def split_rows(labels, rows, fraction, seed):
     return generator.permutation(np.concatenate(train)), np.sort(np.concatenate(val))
 
 
+def split_table(cfg, labels, rows):
+    """(training rows, in training's order; validation rows of --data_file, or None with
+    --val_file) of a table of `rows` rows; `labels`: each row's class (any codes that sort as the
+    label texts do), or None for regression."""
+    if cfg.val_file:
+        return first(np.arange(rows), cfg.train_samples, "train_samples"), None
+    train_rows, val_rows = split_rows(labels, rows, cfg.val_fraction, cfg.seed)
+    if len(val_rows) == 0:
+        raise ConfigError("val_fraction", f"holds out none of the {rows} rows of {cfg.data_file}")
+    return first(train_rows, cfg.train_samples, "train_samples"), first(val_rows, cfg.val_samples, "val_samples")
+
+
 def table_datasets(cfg):
     """(train, val) Tables from --data_file (and --val_file); statistics from the training rows."""
     table = read_table(cfg.data_file, "data_file")
     columns = feature_columns(table, cfg)
-    inputs, targets = table_arrays(table, columns, cfg)
+    inputs, targets = table_features(table, columns), target_values(table, cfg)
     classes = cfg.target_kind == "classes"
-    if cfg.val_file:
-        train_rows = np.arange(table.rows)
-    else:
-        train_rows, val_rows = split_rows(targets if classes else None, table.rows, cfg.val_fraction, cfg.seed)
-        if len(val_rows) == 0:
-            raise ConfigError("val_fraction", f"holds out none of the {table.rows} rows of {cfg.data_file}")
-    train_rows = first(train_rows, cfg.train_samples, "train_samples")
-    state = {"features": columns, "target": cfg.target, "target_kind": cfg.target_kind}
-    state["mean"], state["std"] = statistics(inputs[train_rows])
-    if classes:
-        state["classes"] = label_names(targets)  # every label of --data_file: num_classes counted them
-    else:
-        (state["target_mean"],), (state["target_std"],) = statistics(targets[train_rows, None])
+    train_rows, val_rows = split_table(cfg, targets if classes else None, table.rows)
+    # every label of --data_file (num_classes counted them); or the target's statistics
+    target = label_names(targets) if classes else chunkwise(targets[:, None], train_rows, len(table.columns))
+    state = data_state(cfg, columns, chunkwise(inputs, train_rows, len(table.columns)), target)
     train = Table(inputs[train_rows], targets[train_rows], state, cfg.seed, cfg.input_noise_std)
-    if cfg.val_file:
+    if val_rows is None:
         table = read_table(cfg.val_file, "val_file")
-        inputs, targets = table_arrays(table, columns, cfg)
-        val_rows = np.arange(table.rows)
-    val_rows = first(val_rows, cfg.val_samples, "val_samples")
+        inputs, targets = table_features(table, columns), target_values(table, cfg)
+        val_rows = first(np.arange(table.rows), cfg.val_samples, "val_samples")
     return train, Table(inputs[val_rows], targets[val_rows], state, source=table)
 
 
-def table_arrays(table, columns, cfg):
-    """(features [rows, columns] float64, targets: label texts or float64 numbers) of a table."""
-    inputs = table.features(columns, "features must be numbers: fill in or drop the value, or list the column in "
-                                     "--ignore_columns")  # fmt: skip
+def data_state(cfg, columns, moments, target):
+    """What every checkpoint keeps of the table, for predict.py: the feature columns and their
+    training rows' statistics (`moments`), and `target`: the label names, or the target's Moments."""
+    state = {"features": columns, "target": cfg.target, "target_kind": cfg.target_kind}
+    state["mean"], state["std"] = moments.statistics()
+    if isinstance(target, Moments):
+        (state["target_mean"],), (state["target_std"],) = target.statistics()
+    else:
+        state["classes"] = target
+    return state
+
+
+def table_features(table, columns):
+    """The feature columns side by side: float64 [rows, columns]."""
+    return table.features(columns, "features must be numbers: fill in or drop the value, or list the column in "
+                                   "--ignore_columns")  # fmt: skip
+
+
+def target_values(table, cfg):
+    """The target column: label texts, or float64 numbers for regression."""
     if cfg.target_kind == "classes":
-        return inputs, table.labels(cfg.target)
-    return inputs, table.numbers(cfg.target, "a regression target must be a number (else --target_kind classes)")
+        return table.labels(cfg.target)
+    return table.numbers(cfg.target, "a regression target must be a number (else --target_kind classes)")
+
+
+def class_indices(labels, state, source):
+    """Label texts as indices into the data state's label names; a label not among them (only in
+    --val_file: the split of --data_file keeps every label for training) is an error naming `source`."""
+    index = {name: i for i, name in enumerate(state["classes"])}
+    unknown = sorted(set(labels.tolist()) - set(index))
+    if unknown:
+        raise source.error(f"label {unknown[0]!r} is not one of --data_file's ({', '.join(index)})")
+    return np.array([index[label] for label in labels.tolist()], dtype=np.int64)
+
+
+def standard_targets(targets, state):
+    """Regression targets as the model sees them: standardised like the features, float32."""
+    return torch.from_numpy((targets - state["target_mean"]) / state["target_std"]).float()
 
 
 def first(rows, count, flag):
@@ -267,10 +345,40 @@ def first(rows, count, flag):
     return rows[:count] if count else rows
 
 
-def statistics(values):
-    """Per-column mean and standard deviation (1 where a column is constant), as lists."""
-    mean, std = values.mean(axis=0), values.std(axis=0)
-    return mean.tolist(), np.where(std > 0, std, 1.0).tolist()
+class Moments:
+    """Per-column count, mean and sum of squared deviations of rows added a chunk at a time (Chan
+    et al.'s pairwise update): the same chunks in the same order give the same statistics to the
+    bit, whether the table was read whole (chunkwise) or streamed (table_shards.py)."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2, self.low, self.high = 0, 0.0, 0.0, np.inf, -np.inf
+
+    def add(self, values):
+        """Rows [n, columns] of float64: a chunk's training rows, in the file's order."""
+        if not len(values):
+            return
+        count, mean = len(values), values.mean(axis=0)
+        m2 = ((values - mean) ** 2).sum(axis=0)
+        delta, total = mean - self.mean, self.count + count
+        self.m2 = self.m2 + m2 + delta**2 * (self.count * count / total)
+        self.mean = self.mean + delta * (count / total)
+        self.count = total
+        self.low, self.high = np.minimum(self.low, values.min(axis=0)), np.maximum(self.high, values.max(axis=0))
+
+    def statistics(self):
+        """(means, standard deviations) as lists; the deviation 1 where a column is constant."""
+        std = np.sqrt(self.m2 / self.count)
+        return self.mean.tolist(), np.where(self.high > self.low, std, 1.0).tolist()
+
+
+def chunkwise(values, rows, columns):
+    """Moments of `values[rows]` added as a streamed table of `columns` columns adds them: each
+    chunk of the file's rows in turn, the selected rows of a chunk in the file's order."""
+    moments, rows, size = Moments(), np.sort(rows), chunk_rows(columns)
+    edges = np.searchsorted(rows, np.arange(0, len(values) + size, size))
+    for start, end in itertools.pairwise(edges):
+        moments.add(values[rows[start:end]])
+    return moments
 
 
 def standardise(inputs, state):
@@ -284,129 +392,12 @@ class Table(Rows):
 
     def __init__(self, inputs, targets, state, seed=0, noise_std=0.0, source=None):
         if "classes" in state:
-            index = {name: i for i, name in enumerate(state["classes"])}
-            unknown = sorted(set(targets.tolist()) - set(index))
-            if unknown:  # only in --val_file: the split of --data_file keeps every label for training
-                raise source.error(f"label {unknown[0]!r} is not one of --data_file's ({', '.join(index)})")
-            targets = torch.tensor([index[label] for label in targets.tolist()], dtype=torch.int64)
+            targets = torch.from_numpy(class_indices(targets, state, source))
         else:
-            targets = torch.from_numpy((targets - state["target_mean"]) / state["target_std"]).float()
+            targets = standard_targets(targets, state)
         super().__init__(standardise(inputs, state), targets, seed, noise_std)
         self.state = state
 
     def data_state(self):
         """What predict.py needs from the training rows, saved in every checkpoint."""
         return self.state
-
-
-# --- shards --------------------------------------------------------------------------------
-
-
-def as_data_file(error):
-    """shards.py's errors name --data_dir, the other tasks' flag: here it is --data_file."""
-    return ConfigError("data_file", error.problem) if error.field == "data_dir" else error
-
-
-def shard_index(cfg):
-    """The index of the row shards at --data_file, checked to be a table's."""
-    try:
-        index = read_index(cfg.data_file)
-    except ConfigError as error:
-        raise as_data_file(error) from None
-    if index.get("kind") != "rows":
-        raise ConfigError("data_file", f"{shown(cfg.data_file)} holds {index.get('kind')} shards, not rows of a table")
-    return index
-
-
-def resolve_shards(cfg):
-    """{input_dim, target_kind, num_classes} from the shards' index; the flags that chose the
-    columns when the shards were written must agree with it, or be left out."""
-    index = shard_index(cfg)
-    state = index["data_state"]
-    made = {"target": state["target"], "ignore_columns": index["ignore_columns"]}
-    for name, value in made.items():
-        if getattr(cfg, name) and getattr(cfg, name) != value:
-            raise ConfigError(name, f"is {getattr(cfg, name)!r}, but the shards of {shown(cfg.data_file)} were "
-                                    f"written with {value!r}: leave it out, or write shards with it")  # fmt: skip
-    resolved = {
-        "input_dim": index["input_dim"],
-        "target_kind": state["target_kind"],
-        "num_classes": index["num_classes"],
-    }
-    if cfg.target_kind not in ("auto", resolved["target_kind"]):
-        raise ConfigError("target_kind", f"is {cfg.target_kind}, but the shards hold {resolved['target_kind']} targets")
-    for name in ("input_dim", "num_classes"):
-        given = getattr(cfg, name)
-        if given and given != resolved[name]:
-            raise ConfigError(name, f"is {given}, but the shards of {shown(cfg.data_file)} have {resolved[name]}")
-    return resolved
-
-
-def first_of_shards(shards, count, flag, where):
-    """(shards, samples of each) holding the first `count` samples of a split (0 = all)."""
-    sizes = [shard["samples"] for shard in shards]
-    if count > sum(sizes):
-        raise ConfigError(flag, f"is {count} but the shards of {where} hold {sum(sizes)}")
-    if not count:
-        return shards, sizes
-    kept = []
-    for size in sizes:
-        if count <= 0:
-            break
-        kept.append(min(size, count))
-        count -= kept[-1]
-    return shards[: len(kept)], kept
-
-
-def table_shards(cfg):
-    """(train, val) RowShards from the shards at --data_file, through the node's cache."""
-    cache = cfg.stream_cache_dir or Path(tempfile.gettempdir()) / "ddp-shards"
-    try:
-        store = ShardStore(cfg.data_file, cache, cfg.stream_cache_gb)
-    except ConfigError as error:
-        raise as_data_file(error) from None
-    train = RowShards(store, "train", cfg, cfg.train_samples, "train_samples", cfg.input_noise_std)
-    return train, RowShards(store, "val", cfg, cfg.val_samples, "val_samples")
-
-
-class RowShards(ShardedDataset):
-    """The rows of Parquet shards (a fixed-size list column `x` of standardised features, and `y`:
-    class indices or standardised numbers), as Table serves them: a batch at a time, with the
-    same input noise drawn from (seed, epoch, index)."""
-
-    def __init__(self, store, split, cfg, count, flag, noise_std=0.0):
-        shards, sizes = first_of_shards(store.split(split), count, flag, shown(cfg.data_file))
-        check_cache(cfg, shards)
-        super().__init__(store, shards, sizes, cfg.stream_shuffle_shards)
-        self.state, self.seed, self.noise_std = store.index["data_state"], cfg.seed, noise_std
-        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by persistent workers
-
-    def set_epoch(self, epoch):
-        self.epoch.fill_(epoch)
-
-    def data_state(self):
-        """What predict.py needs, as make_shards.py took it from the training rows."""
-        return self.state
-
-    def open_shard(self, path):
-        import pyarrow.parquet  # noqa: PLC0415 - only for shards
-
-        table = pyarrow.parquet.read_table(path)
-        x = table.column("x").combine_chunks()
-        inputs = x.flatten().to_numpy().reshape(len(x), x.type.list_size)
-        return torch.from_numpy(inputs.copy()), torch.from_numpy(table.column("y").to_numpy().copy())
-
-    def read(self, opened, j):
-        return opened[0][j], opened[1][j]
-
-    def __getitem__(self, index):
-        return self.__getitems__([index])[0]
-
-    def __getitems__(self, indices):
-        rows = [super(RowShards, self).__getitem__(index) for index in indices]
-        inputs, targets = torch.stack([row[0] for row in rows]), torch.stack([row[1] for row in rows])
-        if self.noise_std > 0:
-            key = mix_seed(self.seed, "noise", int(self.epoch))
-            index = torch.as_tensor(indices, dtype=torch.int64)
-            inputs = inputs + self.noise_std * gaussian_noise(key, index, inputs.shape[1])
-        return Batch(inputs, targets)

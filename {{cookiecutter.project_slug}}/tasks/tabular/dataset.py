@@ -11,8 +11,9 @@ and standardised by ddp_utils/data/tables.py, the rows served a batch at a time 
 ddp_utils/data/rows.py: neither needs editing for a table of your own.
 
 A --data_file that is a URL (s3://bucket/prefix) or a folder with index.json is read in Parquet
-shards (make_shards.py writes them from the table; docs/streaming.md): rows already split and
-standardised, the checkpoint's statistics and label names from the shards' index.
+shards (make_shards.py writes them from the table, ddp_utils/data/table_shards.py reads them;
+docs/streaming.md): rows already split and standardised, the checkpoint's statistics and label
+names from the shards' index.
 
 To train on other data, return your Datasets from `build_datasets` (each item an
 `(input, target)` pair) and add the knobs your data needs to DataConfig. The split across
@@ -27,7 +28,8 @@ import torch
 from ddp_utils.data import mix_seed
 from ddp_utils.data.rows import Rows
 from ddp_utils.data.shards import is_sharded
-from ddp_utils.data.tables import resolve_shards, resolve_table, table_datasets, table_shards
+from ddp_utils.data.table_shards import resolve_shards, table_shards
+from ddp_utils.data.tables import resolve_table, table_datasets
 from ddp_utils.errors import ConfigError
 from ddp_utils.knobs import knob
 

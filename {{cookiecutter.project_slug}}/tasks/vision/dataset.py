@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ddp_utils.data.images import ImageFolder, ImageShards, class_folders, first_of_shuffled, image_samples
-from ddp_utils.data.shards import is_sharded, open_store, read_index, shown
-from ddp_utils.data.tables import first_of_shards
+from ddp_utils.data.shards import first_of_shards, is_sharded, open_store, read_index, shown
 from ddp_utils.errors import ConfigError
 from ddp_utils.knobs import knob
 
