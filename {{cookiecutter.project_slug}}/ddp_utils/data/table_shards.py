@@ -28,6 +28,7 @@ from .rows import gaussian_noise
 from .shards import ShardedDataset, ShardWriter, check_cache, first_of_shards, is_sharded, open_store, read_index, shown
 from .tables import (
     Moments,
+    agreed,
     class_indices,
     data_state,
     feature_columns,
@@ -222,11 +223,7 @@ def resolve_shards(cfg):
     }
     if cfg.target_kind not in ("auto", resolved["target_kind"]):
         raise ConfigError("target_kind", f"is {cfg.target_kind}, but the shards hold {resolved['target_kind']} targets")
-    for name in ("input_dim", "num_classes"):
-        given = getattr(cfg, name)
-        if given and given != resolved[name]:
-            raise ConfigError(name, f"is {given}, but the shards of {shown(cfg.data_file)} have {resolved[name]}")
-    return resolved
+    return agreed(cfg, resolved, f"the shards of {shown(cfg.data_file)} have")
 
 
 def table_shards(cfg):

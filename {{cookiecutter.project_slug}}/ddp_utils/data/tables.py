@@ -207,10 +207,16 @@ def resolve_table(cfg):
         resolved["num_classes"] = len(names)
         if resolved["num_classes"] < 2:
             raise ConfigError("target", f"{cfg.target!r} of {cfg.data_file} has one class only")
+    return agreed(cfg, resolved, f"--data_file {cfg.data_file} has")
+
+
+def agreed(cfg, resolved, source):
+    """`resolved`, once an --input_dim and --num_classes given agree with it (0: not given);
+    `source` says whose the sizes are, and its verb ("--data_file t.csv has")."""
     for name in ("input_dim", "num_classes"):
         given = getattr(cfg, name)
         if given and given != resolved[name]:
-            raise ConfigError(name, f"is {given}, but --data_file {cfg.data_file} has {resolved[name]}")
+            raise ConfigError(name, f"is {given}, but {source} {resolved[name]}")
     return resolved
 
 
