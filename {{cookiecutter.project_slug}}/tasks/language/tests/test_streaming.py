@@ -214,10 +214,13 @@ def one_line(result, text):
 
 
 def test_a_download_cut_half_way_is_fetched_again_and_never_read(runs, store, tmp_path):
+    """The 1-process run's last two epochs, streamed into an empty cache, one download cut: the
+    same run, bit for bit (the first epoch, streamed or not, is the other tests' to check)."""
     client, url = broken_copy(store, "cut")
     store.cut_next("cut/train-00001.bin")
-    run_training(tmp_path / "run", *ARGS, *ONE, *streamed(tmp_path / "cache", url), probe="float64", env=store.env)
-    assert store.downloads["cut/train-00001.bin"] == 2  # the cut one, and the whole one
+    run_training(tmp_path / "run", *ARGS, *ONE, *streamed(tmp_path / "cache", url), "--resume",
+                 checkpoint(runs.one, 16), probe="float64", env=store.env)  # fmt: skip
+    assert store.downloads["cut/train-00001.bin"] == 2  # the cut one, and the whole one, then read from the cache
     assert not [p for p in (tmp_path / "cache").rglob("*") if ".part" in p.name]
     assert_same_parameters(tmp_path / "run", runs.one)  # the same data: the same run
 
