@@ -153,9 +153,7 @@ def test_a_run_whose_folder_was_taken_over_stops_and_the_new_owner_ends_as_if_al
     output_dir, first_log = tmp_path / "run", tmp_path / "first.log"
     first = start_slow_run(output_dir, tmp_path / "never", log=first_log, probe="fast_claim", another_machine=True)
     wait_for(checkpoint(output_dir, 4), first)
-    stalled = [first.pid, *descendants(first.pid)]
-    for pid in stalled:
-        os.kill(pid, signal.SIGSTOP)
+    stalled = stall(first)
     mine = json.loads((output_dir / CLAIM_FILE).read_text())
     release = tmp_path / "release"
     second = start_slow_run(output_dir, release, log=tmp_path / "second.log", probe="fast_claim", hold_at=24)
@@ -167,8 +165,7 @@ def test_a_run_whose_folder_was_taken_over_stops_and_the_new_owner_ends_as_if_al
     while "resumed from" not in (tmp_path / "second.log").read_text():
         assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "second.log").read_text()
         time.sleep(0.1)
-    for pid in stalled:
-        os.kill(pid, signal.SIGCONT)
+    resume(stalled)
     assert first.wait(timeout=120) != 0, first_log.read_text()
     lines = [line for line in first_log.read_text().splitlines() if "no longer owns" in line]
     assert len(lines) == 1, first_log.read_text()
@@ -185,14 +182,22 @@ def test_a_run_whose_folder_was_taken_over_stops_and_the_new_owner_ends_as_if_al
 def stall(process):
     """SIGSTOP `process` and its descendants (a paused VM, a host cut off); returns them, for `resume`."""
     stalled = [process.pid, *descendants(process.pid)]
-    for pid in stalled:
-        os.kill(pid, signal.SIGSTOP)
+    send(stalled, signal.SIGSTOP)
     return stalled
 
 
 def resume(stalled):
-    for pid in stalled:
-        os.kill(pid, signal.SIGCONT)
+    send(stalled, signal.SIGCONT)
+
+
+def send(pids, signum):
+    """`signum` to each of `pids` that still exists: one may end meanwhile (a rank whose stalled
+    partner's heartbeat stopped leaves by itself, and torchrun reaps it), and needs no signal."""
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 def wait_for_takeover(output_dir, token, second, second_log):
