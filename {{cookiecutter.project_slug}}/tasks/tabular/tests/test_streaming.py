@@ -164,12 +164,14 @@ def shard_rows(folder, index, split):
 
 
 def make_shards(*args):
-    """make_shards.py's run, in its own process: its peak memory in MiB (ru_maxrss: KiB on Linux).
-    pyarrow allocates from the C library's heap, not its own pool: the pool keeps tens of MiB of
-    slack after a Parquet write, whatever the table's size, which would hide the writer's own."""
+    """make_shards.py's run, in its own process: its peak memory in MiB. VmHWM, the high-water mark
+    of the process's own memory since its start (ru_maxrss would count the parent's, which a child
+    inherits at its exec). pyarrow allocates from the C library's heap, not its own pool: the pool
+    keeps tens of MiB of slack after a Parquet write, whatever the table's size."""
+    peak = "[line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM')][0]"
     run = (
-        "import atexit, resource, runpy, sys\n"
-        "atexit.register(lambda: print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))\n"
+        "import atexit, runpy, sys\n"
+        f"atexit.register(lambda: print('peak', {peak}, file=sys.stderr))\n"
         "sys.argv = sys.argv[1:]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
@@ -177,7 +179,7 @@ def make_shards(*args):
     result = subprocess.run([sys.executable, "-c", run, "make_shards.py", *args], cwd=PROJECT, env=env,
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    return int(result.stderr.split("peak ")[-1]) / 1024
+    return int(result.stderr.split("peak ")[-1]) / 1024  # KiB
 
 
 def check_shards(folder, args):
