@@ -1049,7 +1049,7 @@ MUTANTS = [
         "ddp_utils/core/files.py",
         "    problem = _fence() if _fence is not None else None",
         "    problem = None",
-        (f"{CLAIM}::test_a_run_whose_folder_was_taken_over_stops_and_the_new_owner_ends_as_if_alone",),
+        (f"{CLAIM}::test_a_one_file_save_woken_between_write_and_rename_puts_nothing_in_place",),
     ),
     Mutant(
         "claim_never_renewed",
@@ -1553,6 +1553,15 @@ MUTANTS = [
         "self.epoch = torch.zeros((), dtype=torch.int64)  # seen by persistent workers",
         (f"{STREAMING}::test_sigterm_mid_epoch_then_the_same_command_resumes_exactly",),
         task="tabular",
+    ),
+    Mutant(
+        "fork_closes_parents_s3_clients",
+        "a DataLoader worker lets the S3 clients it inherited be collected: closing them drops the training "
+        "process's connections from its event loop, whose next download waits out the 60 s read timeout",
+        "ddp_utils/data/shards.py",
+        "        _INHERITED.extend(s3fs.S3FileSystem._cache.values())",
+        "        _INHERITED.clear()",
+        (f"{STREAMING}::test_a_download_cut_half_way_is_fetched_again_and_never_read",),
     ),
     Mutant(
         "table_shards_hold_the_table",

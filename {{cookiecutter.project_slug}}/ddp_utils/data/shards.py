@@ -26,6 +26,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 from collections import OrderedDict
@@ -61,6 +62,21 @@ def shown(url):
 S3_OPTIONS = {
     "config_kwargs": {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}}
 }
+
+
+_INHERITED = []  # a forked process's copies of its parent's S3 clients: kept, never closed
+
+
+def _keep_the_parents_clients():
+    """A forked process (a DataLoader worker) keeps the S3 clients it inherited, unused: collected,
+    they would close their connections, which are the parent's sockets in the parent's event loop
+    (an epoll the fork shares), and the parent's next request on one would wait out its timeout."""
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None:
+        _INHERITED.extend(s3fs.S3FileSystem._cache.values())  # noqa: SLF001 - fsspec drops them in a new process
+
+
+os.register_at_fork(after_in_child=_keep_the_parents_clients)
 
 
 def _filesystem(url):

@@ -221,6 +221,11 @@ def test_a_download_cut_half_way_is_fetched_again_and_never_read(runs, store, tm
     run_training(tmp_path / "run", *ARGS, *ONE, *streamed(tmp_path / "cache", url), "--resume",
                  checkpoint(runs.one, 16), probe="float64", env=store.env)  # fmt: skip
     assert store.downloads["cut/train-00001.bin"] == 2  # the cut one, and the whole one, then read from the cache
+    # Each other shard once: a DataLoader worker that closed the S3 client it inherited from the
+    # training process would have dropped that process's connections from its event loop, and its
+    # own next download (the first batch's check) would time out and be fetched again.
+    others = {key: n for key, n in store.downloads.items() if key.startswith("cut/train-") and "00001" not in key}
+    assert len(others) == SHARDS - 1 and set(others.values()) == {1}, others
     assert not [p for p in (tmp_path / "cache").rglob("*") if ".part" in p.name]
     assert_same_parameters(tmp_path / "run", runs.one)  # the same data: the same run
 
