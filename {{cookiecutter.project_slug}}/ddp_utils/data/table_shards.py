@@ -7,7 +7,7 @@ the same order of training rows, standardised with the same statistics, to the b
 never holds the table: it reads it a chunk at a time, three times (the columns and the kind of
 target, which rows go where, then the features), and sorts the rows into their shards through files
 in --temp_dir. It keeps in memory a chunk, one shard (about 5 times its size on disk), and a few
-numbers a row (its label's, its place's): about 100 bytes, where the table read whole takes
+numbers a row (its label's, its place's): 100 to 150 bytes, where the table read whole takes
 several times its file's size.
 
 Each shard is a Parquet file: `x`, a row's standardised features (a fixed-size list of float32),
