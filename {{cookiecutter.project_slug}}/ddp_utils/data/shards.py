@@ -408,12 +408,8 @@ def first_of_shards(shards, count, flag, where):
         raise ConfigError(flag, f"is {count} but the shards of {where} hold {sum(sizes)}")
     if not count:
         return shards, sizes
-    kept = []
-    for size in sizes:
-        if count <= 0:
-            break
-        kept.append(min(size, count))
-        count -= kept[-1]
+    starts = itertools.accumulate(sizes, initial=0)
+    kept = [min(size, count - start) for size, start in zip(sizes, starts) if start < count]
     return shards[: len(kept)], kept
 
 
